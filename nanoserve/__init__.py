@@ -1,0 +1,6 @@
+"""nanoserve: a compact, OpenAI-compatible LLM inference server on PyTorch."""
+
+from nanoserve.engine import LLM, EngineArgs, SamplingParams
+
+__all__ = ["LLM", "EngineArgs", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Benchmark workloads and clients (see `nanoserve bench --help`)."""

@@ -1,0 +1,312 @@
+"""Offline engine throughput: random requests through one engine with continuous batching.
+
+`run_throughput` builds an engine (a checkpoint, the demo model or the deterministic stand-in),
+runs `num_prompts` requests with random prompt token ids and random output lengths (greedy,
+ignore_eos, so each yields exactly its output length) and measures, per run:
+
+- requests/s, output tokens/s and total (prompt + output) tokens/s over the whole run;
+- engine steps/s, and decode tokens/s over the pure-decode steps (every scheduled sequence
+  decodes one token, nobody is admitted or preempted). With the stand-in the model costs next to
+  nothing, so this is the rate of the engine's own bookkeeping (scheduler, KV manager, batch
+  preparation, sampler, postprocess);
+- the peak number of sequences running at once, and the number of preemptions.
+
+Comparisons run in the same process on the same workload:
+- `sequential`: the same requests one at a time on a fresh engine;
+- `contiguous`: the paged and the contiguous KV layout over the same pool (same number of
+  blocks of the same size), max_model_len 2048 unless given: how many sequences each admits.
+
+Every run gets a fresh engine, warmed up with two short requests before the clock starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.llm import build_engine
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.stand_in import stand_in_engine
+from nanoserve.model import load_model
+
+COMPARISONS = ("sequential", "contiguous")
+CONTIGUOUS_MAX_MODEL_LEN = 2048
+CONTIGUOUS_POOL_SEQUENCES = 8  # default pool for --compare contiguous: this many max-length sequences
+
+EngineFactory = Callable[[EngineArgs], LLMEngine]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Random prompts (token ids) and output lengths; the same arguments give the same workload."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    output_lens: tuple[int, ...]
+
+    @classmethod
+    def random(cls, num_prompts: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int],
+               vocab_size: int, seed: int) -> Workload:
+        if num_prompts < 1:
+            raise ValueError(f"--num-prompts must be at least 1, got {num_prompts}")
+        for name, (lo, hi) in (("input", input_len_range), ("output", output_len_range)):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"--{name}-len-range needs 1 <= MIN <= MAX, got {lo} {hi}")
+        rng = random.Random(seed)
+        prompts = tuple(tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*input_len_range)))
+                        for _ in range(num_prompts))
+        return cls(prompts, tuple(rng.randint(*output_len_range) for _ in range(num_prompts)))
+
+
+@dataclass(slots=True)
+class RunStats:
+    """Counters of one run; rates are derived. `decode_*` cover the pure-decode steps only."""
+
+    label: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    elapsed_s: float = 0.0
+    cpu_s: float = 0.0  # process CPU time (all threads): near elapsed_s on an idle machine, 1 thread
+    steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    peak_running: int = 0
+    preemptions: int = 0
+
+    @staticmethod
+    def _rate(count: float, seconds: float) -> float:
+        return count / seconds if seconds > 0 else 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self._rate(self.requests, self.elapsed_s)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self._rate(self.output_tokens, self.elapsed_s)
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return self._rate(self.prompt_tokens + self.output_tokens, self.elapsed_s)
+
+    @property
+    def steps_per_s(self) -> float:
+        return self._rate(self.steps, self.elapsed_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self._rate(self.decode_tokens, self.decode_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        rates = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "steps_per_s",
+                 "decode_tokens_per_s")
+        return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in rates}}
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _drain(engine: LLMEngine, stats: RunStats) -> None:
+    """Steps the engine until it is idle, counting into `stats`."""
+    sch = engine.scheduler
+    while engine.has_unfinished():
+        before = len(sch.running)
+        all_decoding = all(r.num_tokens - r.num_computed_tokens == 1 for r in sch.running)
+        start = time.perf_counter()
+        deltas = engine.step()
+        seconds = time.perf_counter() - start
+        finished = sum(d.finished for d in deltas)
+        stats.steps += 1
+        stats.output_tokens += len(deltas)
+        stats.peak_running = max(stats.peak_running, len(sch.running) + finished)
+        # Admission never happens in a step that preempts, so an unchanged count means neither did.
+        if before and all_decoding and len(deltas) == before == len(sch.running) + finished:
+            stats.decode_steps += 1
+            stats.decode_tokens += len(deltas)
+            stats.decode_s += seconds
+
+
+def _submit(engine: LLMEngine, workload: Workload, label: str, indices: range) -> None:
+    for i in indices:
+        engine.add_request(f"{label}-{i}", list(workload.prompts[i]), _greedy(workload.output_lens[i]))
+
+
+def run_batched(engine: LLMEngine, workload: Workload, label: str) -> RunStats:
+    """All requests submitted at once; the scheduler batches them."""
+    stats = RunStats(label, requests=len(workload.prompts), prompt_tokens=sum(map(len, workload.prompts)))
+    preemptions = engine.scheduler.num_preemptions
+    start, cpu = time.perf_counter(), time.process_time()
+    _submit(engine, workload, label, range(len(workload.prompts)))
+    _drain(engine, stats)
+    stats.elapsed_s, stats.cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    stats.preemptions = engine.scheduler.num_preemptions - preemptions
+    return stats
+
+
+def run_sequential(engine: LLMEngine, workload: Workload, label: str = "sequential") -> RunStats:
+    """The same requests one at a time: each is submitted when the previous one has finished."""
+    stats = RunStats(label, requests=len(workload.prompts), prompt_tokens=sum(map(len, workload.prompts)))
+    start, cpu = time.perf_counter(), time.process_time()
+    for i in range(len(workload.prompts)):
+        _submit(engine, workload, label, range(i, i + 1))
+        _drain(engine, stats)
+    stats.elapsed_s, stats.cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    return stats
+
+
+def warm_up(engine: LLMEngine, seed: int) -> None:
+    """Two short requests (up to 16 + 4 tokens), so that first-call costs stay out of the measurement."""
+    rng = random.Random(seed ^ 0x5EED)
+    vocab, total = engine.runner.vocab_size, min(20, engine.max_model_len)
+    prompt_len = max(1, total - 4)
+    for i in range(2):
+        engine.add_request(f"warmup-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                           _greedy(total - prompt_len))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def engine_factory(args: EngineArgs, stand_in: bool) -> EngineFactory:
+    """Builds engines for variants of `args`, loading the model (if any) only once."""
+    if stand_in:
+        return lambda a: stand_in_engine(**{f.name: getattr(a, f.name) for f in dataclasses.fields(a)})
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    return lambda a: build_engine(a, loaded)
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputConfig:
+    """What to run. `args.max_model_len` defaults to the longest request the ranges allow (2048
+    for the contiguous comparison); the contiguous comparison's pool defaults to
+    CONTIGUOUS_POOL_SEQUENCES max-length sequences."""
+
+    args: EngineArgs
+    num_prompts: int = 64
+    input_len_range: tuple[int, int] = (32, 256)
+    output_len_range: tuple[int, int] = (32, 256)
+    stand_in: bool = False
+    compare: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.compare is not None and self.compare not in COMPARISONS:
+            raise ValueError(f"--compare must be one of {', '.join(COMPARISONS)}, got {self.compare!r}")
+        if self.stand_in and self.args.model is not None:
+            raise ValueError("--stand-in replaces the model; do not name one")
+
+    def resolved_args(self) -> EngineArgs:
+        args = self.args
+        if args.max_model_len is None:
+            longest = self.input_len_range[1] + self.output_len_range[1]
+            args = dataclasses.replace(
+                args, max_model_len=CONTIGUOUS_MAX_MODEL_LEN if self.compare == "contiguous" else longest)
+        if self.compare == "contiguous" and args.num_kv_blocks is None and args.kv_cache_memory is None:
+            assert args.max_model_len is not None
+            blocks = CONTIGUOUS_POOL_SEQUENCES * math.ceil(args.max_model_len / args.block_size)
+            args = dataclasses.replace(args, num_kv_blocks=blocks)
+        return args
+
+
+@dataclass(slots=True)
+class ThroughputReport:
+    """The runs of one invocation; with a comparison, runs[0] is compared with runs[1]."""
+
+    config: dict[str, Any]
+    runs: list[RunStats] = field(default_factory=list)
+    compare: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """Batched / sequential output tok/s, or paged / contiguous peak running sequences."""
+        if self.compare is None:
+            return None
+        a, b = self.runs
+        if self.compare == "sequential":
+            return a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else math.inf
+        return a.peak_running / b.peak_running if b.peak_running else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "compare": self.compare, "ratio": self.ratio,
+                "runs": [r.to_dict() for r in self.runs]}
+
+    def format(self) -> str:
+        lines = [" ".join(f"{k}={v}" for k, v in self.config.items()), ""]
+        headers = ["run", "requests/s", "output tok/s", "total tok/s", "steps/s", "decode tok/s",
+                   "peak running", "preemptions", "elapsed s", "cpu s"]
+        rows = [[r.label, f"{r.requests_per_s:.2f}", f"{r.output_tokens_per_s:.1f}",
+                 f"{r.total_tokens_per_s:.1f}", f"{r.steps_per_s:.1f}", f"{r.decode_tokens_per_s:.1f}",
+                 str(r.peak_running), str(r.preemptions), f"{r.elapsed_s:.2f}", f"{r.cpu_s:.2f}"]
+                for r in self.runs]
+        lines.append(format_table(headers, rows))
+        if self.compare is not None:
+            a, b = self.runs
+            what = "output tok/s" if self.compare == "sequential" else "peak running sequences"
+            lines += ["", f"{a.label} / {b.label} {what}: {self.ratio:.2f}x"]
+        return "\n".join(lines)
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    """Aligned columns: the first left-aligned, the rest right-aligned."""
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def run_throughput(cfg: ThroughputConfig) -> ThroughputReport:
+    """Runs the configured benchmark (and comparison) and returns its report."""
+    args = cfg.resolved_args()
+    make = engine_factory(args, cfg.stand_in)
+    if cfg.compare == "contiguous":
+        variants = [("paged", dataclasses.replace(args, kv="paged")),
+                    ("contiguous", dataclasses.replace(args, kv="contiguous"))]
+    else:
+        variants = [("batched", args)]
+    report = ThroughputReport(config={}, compare=cfg.compare)
+    workload = None
+    for label, variant in variants:
+        engine = make(variant)
+        workload = workload or Workload.random(cfg.num_prompts, cfg.input_len_range, cfg.output_len_range,
+                                               engine.runner.vocab_size, args.seed)
+        if not report.config:
+            report.config = _describe(cfg, engine)
+        warm_up(engine, args.seed)
+        report.runs.append(run_batched(engine, workload, label))
+    if cfg.compare == "sequential":
+        assert workload is not None
+        engine = make(args)
+        warm_up(engine, args.seed)
+        report.runs.append(run_sequential(engine, workload))
+    return report
+
+
+def _describe(cfg: ThroughputConfig, engine: LLMEngine) -> dict[str, Any]:
+    a = engine.args
+    return {
+        "model": "stand-in" if cfg.stand_in else (a.model or "demo"),
+        "num_prompts": cfg.num_prompts,
+        "input_len": f"{cfg.input_len_range[0]}-{cfg.input_len_range[1]}",
+        "output_len": f"{cfg.output_len_range[0]}-{cfg.output_len_range[1]}",
+        "seed": a.seed,
+        "max_model_len": a.max_model_len,
+        "max_num_seqs": a.max_num_seqs,
+        "max_num_batched_tokens": a.max_num_batched_tokens,
+        "kv": "paged vs contiguous" if cfg.compare == "contiguous" else a.kv,
+        "kv_blocks": engine.num_blocks,
+        "block_size": a.block_size,
+        "prefix_caching": engine.kv.cache is not None,
+        "torch_threads": torch.get_num_threads(),
+    }

@@ -1,0 +1,1 @@
+"""Subcommands of the `nanoserve` CLI; each module has `register(subparsers)`."""

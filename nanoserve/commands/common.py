@@ -1,0 +1,46 @@
+"""CLI flags shared by subcommands: the model and the engine arguments (defaults from EngineArgs)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from nanoserve.engine.args import EngineArgs
+
+_HELP = {
+    "dtype": "auto (bf16), bfloat16 or float32; float16 only on CUDA",
+    "device": "cpu or cuda",
+    "max_model_len": "context length limit (default: the model's)",
+    "max_num_seqs": "most sequences running at once",
+    "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
+    "block_size": "tokens per KV block",
+    "kv_cache_memory": "bytes for the KV pool",
+    "num_kv_blocks": "KV pool size in blocks (overrides --kv-cache-memory)",
+    "kv": "KV layout: paged or contiguous",
+    "seed": "global random seed",
+    "scheduling_policy": "fcfs or priority",
+}
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF model folder, .gguf file or hub id (default: the built-in demo model)")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool" or isinstance(f.default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
+        kind = int if f.name in ("max_model_len", "kv_cache_memory", "num_kv_blocks") else type(f.default)
+        choices = {"kv": ["paged", "contiguous"], "scheduling_policy": ["fcfs", "priority"]}.get(f.name)
+        group.add_argument(flag, type=kind, default=f.default, choices=choices, help=_HELP.get(f.name))
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})

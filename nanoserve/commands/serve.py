@@ -1,0 +1,61 @@
+"""`nanoserve serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvicorn
+
+from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
+from nanoserve.engine.llm import build_engine
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
+from nanoserve.server.async_engine import EngineState
+from nanoserve.server.launcher import serve_until_signal
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOSERVE_API_KEY, else none)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: MODEL, or "
+                   f"{DEMO_MODEL_NAME} for the demo model)")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="requests allowed to wait for a slot; beyond it the server answers 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    args = engine_args_from(ns)
+    name = ns.served_model_name or ns.model or DEMO_MODEL_NAME
+
+    def load() -> LLMEngine:
+        try:
+            return build_engine(args)
+        except BaseException:
+            server.should_exit = True  # nothing to serve: shut down (see the check below)
+            raise
+
+    app = build_app(load, ServerConfig(name, ns.api_key, ns.max_queued_requests))
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=ns.shutdown_timeout,
+                            log_level=logging.getLevelName(logging.getLogger().level).lower())
+    server = uvicorn.Server(config)
+    log.info("serving %s on http://%s:%d (loading the model; /health answers 503 until it is ready)",
+             name, ns.host, ns.port)
+    serve_until_signal(server)
+    engine = app.state.engine
+    if engine.state is EngineState.DEAD and engine.engine is None:
+        print(f"nanoserve: error: loading the model failed: {engine.error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,61 @@
+"""Engine arguments, with the names vLLM users know; the CLI reads its defaults from here."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 2 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Invariants once built by `resolved`: max_model_len is set; kv is 'paged' or 'contiguous'."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV pool (default 2 GiB on CPU, capped by need)
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    enable_prefix_caching: bool = True
+    kv: str = "paged"
+    seed: int = 0
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.kv not in ("paged", "contiguous"):
+            raise ValueError(f"kv must be 'paged' or 'contiguous', got {self.kv!r}")
+        if self.block_size < 1:
+            raise ValueError("block_size must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+
+    def resolved(self, model_max_len: int, sliding_window: int | None) -> EngineArgs:
+        """Fills max_model_len from the model. Sliding-window attention is not implemented, so the
+        context is capped at the window, where full attention is exact."""
+        limit = model_max_len if sliding_window is None else min(model_max_len, sliding_window)
+        length = self.max_model_len or limit
+        if length > limit:
+            why = "sliding window" if limit == sliding_window else "max_position_embeddings"
+            log.warning("max_model_len %d exceeds the model's %s (%d); capping", length, why, limit)
+            length = limit
+        return dataclasses.replace(self, max_model_len=length)
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """Pool size: num_kv_blocks if given, else the memory budget, never more than max_num_seqs
+        full-length sequences need."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        assert self.max_model_len is not None
+        need = self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        budget = (self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // bytes_per_block
+        if budget < 1:
+            raise ValueError(f"kv_cache_memory is smaller than one KV block ({bytes_per_block} bytes)")
+        return min(need, budget) if self.kv_cache_memory is None else budget

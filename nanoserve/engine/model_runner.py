@@ -1,0 +1,138 @@
+"""Model runner: a StepPlan in, one flat batch through the model, sampled tokens out.
+
+Owns the KV cache tensor (one pool for all layers), the attention backend, the sampler and the
+per-request random generators of seeded requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from nanoserve.engine.request import Request
+from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from nanoserve.engine.scheduler import StepPlan
+
+
+class Model(Protocol):
+    """What the runner needs of a model (CausalLM, or a stand-in in tests and benchmarks)."""
+
+    dtype: torch.dtype
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class KVShape(NamedTuple):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+class StepResult(NamedTuple):
+    """The sequences that reached their last token this step and what was sampled for them."""
+
+    requests: list[Request]
+    sampled: SamplerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: Model, kv_shape: KVShape, num_blocks: int, block_size: int, vocab_size: int,
+                 stop_token_ids: frozenset[int], device: torch.device,
+                 backend: AttentionBackend | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.backend = backend or TorchAttention()
+        self.sampler = Sampler()
+        # Zero-filled: padded block-table reads are masked, and a zero never turns into NaN.
+        self.kv_cache = torch.zeros(kv_shape.num_layers, 2, num_blocks, block_size, kv_shape.num_kv_heads,
+                                    kv_shape.head_dim, dtype=model.dtype, device=device)
+        self._generators: dict[tuple[str, int], torch.Generator] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        meta, input_ids, positions, sample_rows, sample_reqs = self._prepare(plan)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        if not sample_reqs:
+            return StepResult([], SamplerOutput([], None, None))
+        logits = self.model.compute_logits(hidden[sample_rows])
+        batch = self._sampling_batch(sample_reqs)
+        return StepResult(sample_reqs, self.sampler(logits, batch))
+
+    def release(self, req: Request) -> None:
+        """Forgets a finished request's generator."""
+        self._generators.pop(req.key, None)
+
+    def _prepare(self, plan: StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 list[Request]]:
+        bs = self.block_size
+        ids: list[int] = []
+        starts: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for req, n in plan.scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            ids.extend(req.all_token_ids[start:end])
+            starts.append(start)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            tables.append(req.table.blocks)
+            if end == req.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+                sample_reqs.append(req)
+        dev = self.device
+        # Index math in numpy: a few microseconds per op where torch's CPU dispatch costs tens.
+        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        block_tables = np.zeros((len(tables), table_lens.max()), dtype=np.int64)  # padded with 0
+        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int64, count=table_lens.sum())
+        q_start = np.asarray(qsl, dtype=np.int64)
+        q_lens = np.diff(q_start)
+        rows = np.repeat(np.arange(len(tables)), q_lens)
+        positions = np.arange(len(ids)) - np.repeat(q_start[:-1] - np.asarray(starts, dtype=np.int64), q_lens)
+        slots = block_tables[rows, positions // bs] * bs + positions % bs
+        positions = torch.from_numpy(positions)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(block_tables).to(dev),
+            seq_lens=torch.tensor(seq_lens, device=dev), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+            num_decodes=plan.num_decodes, block_size=bs,
+        )
+        return (meta, torch.tensor(ids, device=dev), positions.to(dev),
+                torch.tensor(sample_rows, device=dev), sample_reqs)
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        generators: list[torch.Generator | None] = []
+        suppressed: list[frozenset[int]] = []
+        for req in reqs:
+            p = req.params
+            gen = None
+            if p.seed is not None and not p.greedy:
+                gen = self._generators.get(req.key)
+                if gen is None:
+                    gen = torch.Generator(self.device).manual_seed(p.seed + req.index)
+                    self._generators[req.key] = gen
+            generators.append(gen)
+            if req.num_output_tokens < p.min_tokens:
+                eos = frozenset() if p.ignore_eos else self.stop_token_ids
+                suppressed.append(eos | frozenset(p.stop_token_ids))
+            else:
+                suppressed.append(frozenset())
+        return SamplingBatch.build(
+            [r.params for r in reqs], [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
+            generators, self.vocab_size, self.device, suppressed,
+        )

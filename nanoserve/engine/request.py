@@ -1,0 +1,65 @@
+"""The state of one sequence in the engine (a request with n > 1 is n sequences)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.kv.manager import BlockTable
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence. Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
+    `0 <= num_computed_tokens <= len(all_token_ids)` (tokens whose K/V are in the cache); the
+    next token is sampled when a step computes up to the last token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    index: int = 0  # which of the request's n samples
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
+    wait_for: Request | None = None  # a sibling whose prompt blocks this one should reuse
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,301 @@
+"""Batched, per-request sampling: logits of one step -> one token per row (+ logprobs).
+
+One step runs, all vectorised over the batch:
+
+1. raw logprobs = log_softmax(logits) (only if some row asked for logprobs);
+2. penalties (repetition, then frequency and presence) on the rows that use them;
+3. suppressed ids (stop/EOS ids while `min_tokens` is not reached) -> -inf;
+4. greedy rows take the argmax (ties: lowest id);
+5. sampled rows divide by their temperature, then keep top-k, then top-p, then min-p (each on the
+   distribution the previous one left), and draw one token by inverse CDF, in token-id order, from a
+   single uniform per row.
+
+Reproducibility: a row with a generator draws exactly one number from it per step, and what a row
+gets depends only on its own logits, parameters and draw, never on the other rows of the batch:
+filters a row does not use are neutral for it, each filter keeps a set defined by a threshold (so
+no tie order enters), and the draw walks the CDF in token-id order. Top-k and top-p find their
+thresholds among the few largest values (topk), widening only for rows that need more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
+
+import torch
+
+from nanoserve.engine.sampling_params import SamplingParams
+
+# Temperatures below this are raised to it, so that logits / temperature stays finite.
+_MIN_TEMPERATURE = 1e-5
+# How many of the largest probabilities top-p looks at first (see `_top_p_floor`).
+_TOP_P_FIRST_WIDTH = 256
+
+
+def _flat_ids(ids: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of a ragged list of id lists, as two flat int64 tensors."""
+    lengths = torch.tensor([len(r) for r in ids], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(ids)), lengths)
+    cols = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.long)
+    return rows.to(device), cols.to(device)
+
+
+@dataclass(slots=True, frozen=True)
+class _Penalties:
+    """Penalties as one entry per distinct (row, token) a penalised row has seen in its prompt or
+    output; every other logit is left alone, so the cost is O(entries), not O(rows x vocabulary).
+
+    Entry e multiplies or divides logit (rows[e], ids[e]) by `repetition[e]`, then subtracts
+    `offset[e]` = frequency * output count + presence * (output count > 0).
+    """
+
+    rows: torch.Tensor  # [E] int64, batch rows
+    ids: torch.Tensor  # [E] int64
+    repetition: torch.Tensor  # [E]
+    offset: torch.Tensor  # [E]
+
+    @classmethod
+    def build(
+        cls,
+        penalised: set[int],
+        params: Sequence[SamplingParams],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> _Penalties:
+        def keys(ids: Sequence[Sequence[int]]) -> torch.Tensor:
+            rows, cols = _flat_ids([r if i in penalised else [] for i, r in enumerate(ids)], device)
+            return rows * vocab_size + cols
+
+        out_keys, prompt_keys = keys(output_ids), keys(prompt_ids)
+        unique, inverse = torch.unique(torch.cat([out_keys, prompt_keys]), return_inverse=True)
+        counts = torch.zeros(unique.numel(), device=device)
+        counts.index_add_(0, inverse[: out_keys.numel()], torch.ones(out_keys.numel(), device=device))
+        rows = unique // vocab_size
+
+        def per_entry(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)[rows]
+
+        frequency = per_entry([p.frequency_penalty for p in params])
+        presence = per_entry([p.presence_penalty for p in params])
+        return cls(
+            rows=rows,
+            ids=unique % vocab_size,
+            repetition=per_entry([p.repetition_penalty for p in params]),
+            offset=frequency * counts + presence * (counts > 0),
+        )
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """Penalises `logits` [B, V] in place (HF/vLLM repetition rule, OpenAI frequency/presence)."""
+        seen = logits[self.rows, self.ids]
+        seen = torch.where(seen > 0, seen / self.repetition, seen * self.repetition) - self.offset
+        logits[self.rows, self.ids] = seen
+
+
+@dataclass(slots=True, frozen=True)
+class _SampledRows:
+    """The rows that sample (temperature > 0), in batch order.
+
+    Filter tensors are `[n, 1]` and None when no row uses that filter; rows that do not use a present
+    filter hold its neutral value (top_k = 0, top_p = 1, min_p = 0), which keeps every token, so a
+    row's result never depends on which filters other rows use. `top_k_max` is the largest top_k.
+    """
+
+    rows: torch.Tensor  # [n] int64, batch rows
+    temperature: torch.Tensor  # [n, 1]
+    seeded: tuple[tuple[int, torch.Generator], ...]  # (index among these rows, its generator)
+    top_k: torch.Tensor | None
+    top_k_max: int
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        rows: list[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> _SampledRows:
+        def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+        group = [params[i] for i in rows]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in group]
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            temperature=column([max(p.temperature, _MIN_TEMPERATURE) for p in group]),
+            seeded=tuple((j, g) for j, i in enumerate(rows) if (g := generators[i]) is not None),
+            top_k=column(top_k, torch.long) if any(top_k) else None,
+            top_k_max=max(top_k),
+            top_p=column([p.top_p for p in group]) if any(p.top_p < 1 for p in group) else None,
+            min_p=column([p.min_p for p in group]) if any(p.min_p > 0 for p in group) else None,
+        )
+
+    def uniforms(self) -> torch.Tensor:
+        """One U[0, 1) per row: seeded rows from their own generator (one draw each), others from
+        torch's default generator."""
+        device = self.rows.device
+        u = torch.rand(self.rows.numel(), device=device)
+        for j, gen in self.seeded:
+            u[j] = torch.rand((), generator=gen, device=device)
+        return u
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Token ids [n] for these rows of the penalised `logits` [B, V].
+
+        Each filter zeroes the probability of the tokens it drops; the kept sets are defined by
+        thresholds, so tokens tied with the last kept one are kept too and no tie order matters.
+        """
+        scaled = logits[self.rows].div_(self.temperature)
+        probs = torch.softmax(scaled, dim=-1)
+        if self.top_k is not None:
+            kth = scaled.topk(self.top_k_max, dim=-1).values.gather(1, (self.top_k - 1).clamp(min=0))
+            probs = probs.masked_fill((scaled < kth) & (self.top_k > 0), 0.0)
+        if self.top_p is not None:
+            probs = probs.masked_fill(probs < _top_p_floor(probs, self.top_p), 0.0)
+        if self.min_p is not None:
+            probs = probs.masked_fill(probs < self.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        return _inverse_cdf(probs, self.uniforms())
+
+
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row `[n, 1]`, the smallest probability top-p keeps: that of the last token of the shortest
+    descending prefix whose mass reaches `top_p` times the row's total (`probs` [n, V] need not be
+    normalised); 0, keeping all, where top_p >= 1 or rounding never reaches the target.
+
+    Only the largest few probabilities are sorted (by topk); rows whose mass they do not reach are
+    retried with 16x more. Which widths a row needs depends on that row alone.
+    """
+    vocab = probs.shape[1]
+    target = top_p * probs.sum(dim=-1, keepdim=True)
+    floor = torch.zeros_like(target)
+    pending = (top_p < 1).squeeze(1).nonzero().squeeze(1)
+    width = _TOP_P_FIRST_WIDTH
+    while pending.numel() > 0:
+        width = min(width, vocab)
+        values = probs[pending].topk(width, dim=-1).values
+        reached = values.cumsum(dim=-1) >= target[pending]
+        found = reached.any(dim=-1)
+        done = found | (width == vocab)
+        cut = reached.to(torch.int8).argmax(dim=-1, keepdim=True)
+        floor[pending[done]] = values.gather(1, cut).masked_fill(~found.unsqueeze(1), 0.0)[done]
+        pending = pending[~done]
+        width *= 16
+    return floor
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column j per row with cdf[j-1] < (1 - u) * total <= cdf[j], for non-negative `weights` [n, V]
+    (need not be normalised) and `u` [n] in [0, 1). The target lies in (0, total], so the chosen
+    column always has positive weight, whatever the rounding."""
+    cdf = weights.cumsum(dim=-1)
+    target = (1.0 - u).unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(1)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling state for one step, as tensors on the logits' device. Built once per step by
+    the runner with `build`; rows are in the order of the logits rows.
+
+    Invariants: `sampled` holds exactly the rows with temperature > 0 (None if there are none);
+    every other row is greedy. `penalties` is None iff no row uses penalties,
+    `suppressed` is None iff nothing is suppressed, `logprobs_k` is None iff no row asked for
+    logprobs (else it holds each row's top-logprobs count, 0 for rows that asked none). An all-greedy
+    batch with none of those holds no tensor at all.
+    """
+
+    vocab_size: int
+    sampled: _SampledRows | None
+    penalties: _Penalties | None
+    suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids) to set to -inf
+    logprobs_k: tuple[int, ...] | None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+        stop_ids_suppressed: Sequence[frozenset[int]],
+    ) -> SamplingBatch:
+        """All sequences are indexed by row and have the same length; every id in `output_ids` and
+        `prompt_ids` is < `vocab_size`.
+
+        `vocab_size`: the number of real token ids; logits columns from it on (a padded LM head) are
+        never sampled and not part of the logprobs. `generators[i]` is row i's own generator (on
+        `device`, owned and seeded by the caller) or None for torch's default one.
+        `stop_ids_suppressed[i]`: ids row i may not emit this step; ids >= vocab_size are ignored.
+        """
+        sizes = {len(params), len(output_ids), len(prompt_ids), len(generators), len(stop_ids_suppressed)}
+        if len(sizes) != 1:
+            raise ValueError(f"per-row sequences differ in length: {sorted(sizes)}")
+
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        sampled = _SampledRows.build(rows, params, generators, vocab_size, device) if rows else None
+
+        penalised = {i for i, p in enumerate(params) if p.uses_penalties}
+        penalties = (
+            _Penalties.build(penalised, params, output_ids, prompt_ids, vocab_size, device) if penalised else None
+        )
+
+        banned = [sorted(t for t in ids if t < vocab_size) for ids in stop_ids_suppressed]
+        suppressed = _flat_ids(banned, device) if any(banned) else None
+
+        asked = any(p.logprobs is not None for p in params)
+        logprobs_k = tuple(p.logprobs or 0 for p in params) if asked else None
+        return cls(vocab_size, sampled, penalties, suppressed, logprobs_k)
+
+
+class SamplerOutput(NamedTuple):
+    """One step's result, per row in batch order."""
+
+    token_ids: list[int]
+    # Raw logprob of the sampled token for every row; None iff no row asked for logprobs.
+    logprobs: list[float] | None
+    # Per row the k most likely (id, raw logprob), descending, k = that row's `params.logprobs`
+    # (empty for rows that asked none); None iff no row asked for logprobs.
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class Sampler:
+    """Stateless: turns one step's logits and its `SamplingBatch` into tokens."""
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """`logits` [B, >= vocab_size] float; never modified."""
+        raw = logits[:, : batch.vocab_size].float()
+        logits = raw
+        if batch.penalties is not None or batch.suppressed is not None:
+            logits = raw.clone()
+            if batch.penalties is not None:
+                batch.penalties.apply_(logits)
+            if batch.suppressed is not None:
+                logits[batch.suppressed] = float("-inf")
+
+        tokens = logits.argmax(dim=-1)
+        if batch.sampled is not None:
+            tokens[batch.sampled.rows] = batch.sampled.sample(logits)
+        token_ids = tokens.tolist()
+        if batch.logprobs_k is None:
+            return SamplerOutput(token_ids, None, None)
+
+        raw_logprobs = torch.log_softmax(raw, dim=-1)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        k_max = max(batch.logprobs_k)
+        if k_max == 0:
+            return SamplerOutput(token_ids, chosen, [[] for _ in token_ids])
+        values, ids = raw_logprobs.topk(k_max, dim=-1)
+        top = [
+            list(zip(row_ids[:k], row_values[:k], strict=True))
+            for k, row_ids, row_values in zip(batch.logprobs_k, ids.tolist(), values.tolist(), strict=True)
+        ]
+        return SamplerOutput(token_ids, chosen, top)

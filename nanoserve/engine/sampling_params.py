@@ -1,0 +1,75 @@
+"""Per-request sampling parameters, with the names vLLM and the OpenAI API use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when it stops.
+
+    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` and `min_p == 0` disable those
+    filters. `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled token's logprob
+    and the k most likely tokens' (k may be 0). Logprobs are those of the model's raw distribution
+    (log-softmax of the logits, before penalties, temperature and filters).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range."""
+        checks: list[tuple[bool, str]] = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
+            (0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0.0 < self.repetition_penalty <= 2.0,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+             f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -1,0 +1,153 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Pure policy: it imports no torch. Each step it spends one token budget
+(`max_num_batched_tokens`): first one decode token for every running sequence, then chunks of
+unfinished prefills (running ones first, then newly admitted ones) until the budget is used.
+Admission happens only while the KV manager can supply blocks; when a running sequence needs a
+block and none is left even after evicting cached ones, the newest (lowest-priority) running
+sequence is preempted: its blocks are cached and freed, its generated tokens kept, and it goes
+back to the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from nanoserve.engine.request import Request, Status
+from nanoserve.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"  # or "priority": lower value first, FCFS among equals
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; choose fcfs or priority")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Who runs this step and with how many new tokens. `scheduled` lists single-token sequences
+    (decodes) first, then multi-token prefill chunks; each sequence's new tokens are
+    all_token_ids[num_computed_tokens : num_computed_tokens + n]."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for _, n in self.scheduled if n == 1)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # sorted by _order
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    def _order(self, req: Request) -> tuple[int, int]:
+        return (req.priority if self.config.policy == "priority" else 0, req.arrival)
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        bisect.insort(self.waiting, req, key=self._order)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        chosen: dict[Request, int] = {}  # insertion-ordered; requests hash by identity
+        preempted: list[Request] = []
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.table, req.num_computed_tokens + n):
+                victim = max(self.running, key=self._order)
+                budget += chosen.pop(victim, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                chosen[req] = n
+                budget -= n
+        if not preempted:
+            budget = self._admit(budget, chosen)
+        scheduled = list(chosen.items())
+        scheduled.sort(key=lambda item: item[1] > 1)  # stable: decodes first
+        return StepPlan(scheduled, preempted)
+
+    def _admit(self, budget: int, chosen: dict[Request, int]) -> int:
+        """Admits waiting sequences in queue order while budget, seats and blocks last."""
+        for req in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if req.wait_for is not None:
+                sibling = req.wait_for
+                if not (sibling.finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens):
+                    continue
+                req.wait_for = None
+            if not req.table.blocks:
+                req.num_computed_tokens = self.kv.match(req.table, req.all_token_ids)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate(req.table, req.num_computed_tokens + n):
+                self.kv.free(req.table, req.all_token_ids, 0)
+                req.num_computed_tokens = 0
+                break
+            # Only now, once admitted: a failed attempt's match may be evicted before the next one.
+            self.kv.stats.record(req.num_tokens, req.num_computed_tokens)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            chosen[req] = n
+            budget -= n
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.table, req.all_token_ids, req.num_computed_tokens)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.add(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Ends a sequence (stop, length, abort), caching its blocks and releasing them."""
+        if req.finished:
+            return
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req.table, req.all_token_ids, req.num_computed_tokens)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def advance(self, plan: StepPlan) -> None:
+        """Records that the plan's tokens were computed and publishes newly full blocks."""
+        for req, n in plan.scheduled:
+            req.num_computed_tokens += n
+            self.kv.commit(req.table, req.all_token_ids, req.num_computed_tokens)

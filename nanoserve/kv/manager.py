@@ -1,0 +1,123 @@
+"""KV cache manager: block tables of live sequences over the block pool and the prefix cache.
+
+Pure Python policy (no torch), shared by the scheduler. Two layouts over the same pool:
+- 'paged': a sequence's table grows one block at a time as its tokens arrive (O(1) append);
+- 'contiguous': a sequence reserves blocks for `reserve_tokens` (max_model_len) at admission,
+  the classic per-request reservation, kept for comparison.
+
+Invariants: a live sequence holds one pool reference per entry of its table and locks the
+deepest radix node whose blocks it matched or inserted; `free` returns both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.kv.block_pool import BlockPool
+from nanoserve.kv.radix_cache import RadixCache, RadixNode
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """One sequence's blocks. Tokens [0, num_cached) sit in the radix tree along the path that ends
+    at `node` (block-aligned); the table may still hold the caller's own duplicates of them."""
+
+    blocks: list[int] = field(default_factory=list)
+    node: RadixNode | None = None
+    num_cached: int = 0
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups of admitted sequences (recorded once per admission, not per attempt)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    def record(self, queried: int, hit: int) -> None:
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 reserve_tokens: int | None = None) -> None:
+        if reserve_tokens is not None and enable_prefix_caching:
+            raise ValueError("the prefix cache needs the paged layout; disable one of them")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = RadixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.reserve_blocks = None if reserve_tokens is None else -(-reserve_tokens // block_size)
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation could get now: free ones plus unpinned cached ones."""
+        return self.pool.num_free + (self.cache.evictable_blocks if self.cache else 0)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.cache.total_blocks if self.cache else 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.reserve_blocks or -(-num_tokens // self.block_size)
+
+    def match(self, table: BlockTable, tokens: list[int]) -> int:
+        """Points an empty table at the longest cached prefix of `tokens` and returns how many
+        tokens it covers. At most len(tokens) - 1 tokens are matched: the last one is always
+        computed, so a fully cached prompt still yields logits. Records no stats: the caller does,
+        once the sequence is admitted (a failed admission is retried, and matched again)."""
+        assert not table.blocks
+        if self.cache is None or len(tokens) <= self.block_size:
+            return 0
+        usable = (len(tokens) - 1) // self.block_size * self.block_size
+        result = self.cache.match_prefix(tokens[:usable])
+        if not result.blocks:
+            return 0
+        self.pool.incref(result.blocks)
+        self.cache.lock(result.node)
+        table.blocks, table.node = list(result.blocks), result.node
+        table.num_cached = len(result.blocks) * self.block_size
+        return table.num_cached
+
+    def allocate(self, table: BlockTable, num_tokens: int) -> bool:
+        """Grows the table to hold `num_tokens` tokens, evicting cached blocks if needed. Returns
+        False, changing nothing, if the pool cannot supply them."""
+        need = self.blocks_for(num_tokens) - len(table.blocks)
+        if need <= 0:
+            return True
+        short = need - self.pool.num_free
+        if short > 0:
+            if self.cache is None or self.cache.evictable_blocks < short:
+                return False
+            self.cache.evict(short)
+        table.blocks.extend(self.pool.allocate(need))
+        return True
+
+    def commit(self, table: BlockTable, tokens: list[int], num_computed: int) -> None:
+        """Publishes the sequence's newly completed blocks (whole blocks of computed tokens) to the
+        prefix cache, so that requests arriving later can share them."""
+        if self.cache is None:
+            return
+        full = num_computed // self.block_size * self.block_size
+        if full <= table.num_cached:
+            return
+        bs = self.block_size
+        node = self.cache.insert(tokens[table.num_cached : full], table.blocks[table.num_cached // bs : full // bs],
+                                 start=table.node)
+        self.cache.lock(node)
+        if table.node is not None:
+            self.cache.unlock(table.node)
+        table.node, table.num_cached = node, full
+
+    def free(self, table: BlockTable, tokens: list[int], num_computed: int) -> None:
+        """Caches what the sequence computed, then releases its references. The table is empty after."""
+        self.commit(table, tokens, num_computed)
+        if table.node is not None and self.cache is not None:
+            self.cache.unlock(table.node)
+        self.pool.decref(table.blocks)
+        table.blocks, table.node, table.num_cached = [], None, 0

@@ -1,0 +1,258 @@
+"""The built-in demo checkpoint: a tiny Qwen3 model with a byte-level BPE tokenizer, built locally.
+
+`demo_model_path()` returns an ordinary Hugging Face folder (config.json, generation_config.json,
+tokenizer.json, tokenizer_config.json, model.safetensors) that every loader in nanoserve, and
+`transformers`, reads like a real checkpoint. It is built on first use from the corpus shipped with
+the package and cached; nothing is downloaded.
+
+Invariants:
+- The recipe is deterministic: the same corpus, DEMO_SEED and FORMAT_VERSION give a byte-identical
+  tokenizer.json and identical weights.
+- Special tokens come first in the vocabulary, in SPECIAL_TOKENS order (BpeTrainer places them
+  there), so their ids are the indices below and do not depend on training.
+- A checkpoint folder only ever appears complete: it is written under a temporary name in the same
+  directory and renamed into place.
+- The weights are random (a later step may train them); the tokenizer follows Qwen2's layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+
+log = logging.getLogger(__name__)
+
+DEMO_SEED = 20240607
+DEMO_VOCAB_SIZE = 4096
+# Bump when anything in the recipe below changes without changing the corpus or the config dict.
+FORMAT_VERSION = 2
+CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
+
+END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
+END_OF_TEXT_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+
+# The pre-tokenizer split of Qwen2 checkpoints (llama.cpp calls it "qwen2").
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+# ChatML. Content may be a string, a list of {"type": "text", "text": ...} parts, or null.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}"
+    "{{- message['content'] }}"
+    "{%- elif message['content'] is iterable %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_demo_tokenizer(vocab_size: int = DEMO_VOCAB_SIZE) -> tokenizers.Tokenizer:
+    """Trains the demo byte-level BPE on the shipped corpus; deterministic for a given corpus.
+
+    Layout as in Qwen2 checkpoints: no normalizer, Split(Qwen2 regex, isolated) then ByteLevel
+    without prefix space or regex, ByteLevel decoder; every byte is in the initial alphabet, so any
+    UTF-8 text round-trips. Special tokens are split out of the corpus before training so that no
+    merge learns their pieces.
+    """
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_segments(CORPUS_PATH.read_text(encoding="utf-8")), trainer=trainer)
+    return tok
+
+
+def _training_segments(corpus: str) -> list[str]:
+    """The corpus cut at every special token, with the special tokens themselves dropped."""
+    segments = [corpus]
+    for special in SPECIAL_TOKENS:
+        segments = [piece for seg in segments for piece in seg.split(special)]
+    return [seg for seg in segments if seg]
+
+
+def demo_config_dict(vocab_size: int) -> dict[str, Any]:
+    """The demo model's `config.json`: a small Qwen3ForCausalLM with tied embeddings."""
+    rope_theta = 1_000_000.0
+    num_layers = 4
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": num_layers,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": END_OF_TEXT_ID,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    """`tokenizer_config.json` for PreTrainedTokenizerFast with ChatML."""
+    added = {
+        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                 "special": True}
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": END_OF_TEXT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "errors": "replace",
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _random_weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """HF-named bf16 tensors drawn in a fixed order from a generator seeded with DEMO_SEED:
+    N(0, 0.02) for matrices, ones for norms. Tied embeddings: no lm_head.weight."""
+    gen = torch.Generator().manual_seed(DEMO_SEED)
+    h, d, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+    shapes["model.norm.weight"] = (h,)
+    return {
+        name: (torch.ones(shape) if len(shape) == 1 else torch.empty(shape).normal_(0.0, 0.02, generator=gen))
+        .to(torch.bfloat16)
+        for name, shape in shapes.items()
+    }
+
+
+def write_demo_checkpoint(path: Path) -> Path:
+    """Builds the demo checkpoint at `path` and returns it.
+
+    Everything is written to a temporary sibling directory that is then renamed to `path`, so `path`
+    is either absent, empty, or complete. Raises FileExistsError (and leaves `path` alone) if
+    `path` is already a non-empty directory, e.g. because another process won the race.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok = train_demo_tokenizer()
+    for i, special in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(special) == i, f"{special} must have id {i}"
+    cfg = demo_config_dict(tok.get_vocab_size(with_added_tokens=True))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        tok.save(str(tmp / "tokenizer.json"))
+        _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
+        _write_json(tmp / "config.json", cfg)
+        generation = {"bos_token_id": None, "eos_token_id": [IM_END_ID, END_OF_TEXT_ID],
+                      "pad_token_id": END_OF_TEXT_ID}
+        _write_json(tmp / "generation_config.json", generation)
+        save_file(_random_weights(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary, shareable folder
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            if path.is_dir():
+                raise FileExistsError(f"{path} already exists and is not empty") from exc
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def demo_model_path(cache_dir: Path | None = None) -> Path:
+    """The cached demo checkpoint folder, built on first use.
+
+    `cache_dir` defaults to $NANOSERVE_CACHE, else ~/.cache/nanoserve. The folder name carries a
+    hash of the corpus, the config and FORMAT_VERSION, so a changed recipe is built afresh beside
+    the old one. Safe when several processes race: the loser discards its copy and uses the winner's.
+    """
+    if cache_dir is None:
+        cache_dir = Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+    path = Path(cache_dir) / f"demo-qwen3-{_recipe_hash()}"
+    if path.is_dir():
+        return path
+    log.info("building the demo model at %s (first use)", path)
+    with contextlib.suppress(FileExistsError):  # another process built it first
+        write_demo_checkpoint(path)
+    return path
+
+
+def _recipe_hash() -> str:
+    """Short hash of everything that determines the demo checkpoint's content."""
+    digest = hashlib.sha256()
+    digest.update(CORPUS_PATH.read_bytes())
+    recipe = {"config": demo_config_dict(DEMO_VOCAB_SIZE), "seed": DEMO_SEED, "format": FORMAT_VERSION,
+              "tokenizers": tokenizers.__version__}
+    digest.update(json.dumps(recipe, sort_keys=True).encode())
+    return digest.hexdigest()[:12]
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,81 @@
+"""Building blocks of the decoder: RMSNorm, rotary position embedding (with llama3 and linear
+scaling), the SwiGLU MLP. Numerics follow the Hugging Face reference: norms in fp32, then cast."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.model.config import RopeScaling
+
+
+def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised, frozen parameter; the loader fills every one of them."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_param(dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding, after the checkpoint's scaling rule."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for each position, shaped [num_tokens, 1, head_dim] (halves repeated)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [num_tokens, heads, head_dim] by the 'rotate half' (non-interleaved) convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2 * inter, hidden] matrix."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = empty_param(2 * inter, hidden, dtype=dtype)
+        self.down_proj = empty_param(hidden, inter, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).split(self.inter, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)

@@ -1,0 +1,181 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics, /tokenize, /detokenize, auth and errors.
+
+`build_app` is the only way to get an app; everything the routes share (the engine thread,
+metrics registry, model name) lives in the app it builds, never at module level. The engine
+thread starts and stops with the app's lifespan; `app.state.engine` is the `AsyncEngine` (tests
+read its `snapshot` to check that the KV pool is free again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.server.async_engine import AsyncEngine, EngineState
+from nanoserve.server.errors import APIError, error_body, install_error_handlers, invalid_request
+from nanoserve.server.metrics import Metrics
+from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nanoserve.server.serving import Serving, now_s
+from nanoserve.server.serving_chat import create_chat_completion
+from nanoserve.server.serving_completion import create_completion
+
+DEMO_MODEL_NAME = "nanoserve-demo"
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """`served_model_name` defaults to the engine's model argument (DEMO_MODEL_NAME for the demo
+    model); `api_key`, when set, guards /v1/*, /tokenize and /detokenize."""
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+
+
+def build_app(engine: LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None) -> FastAPI:
+    """An app serving `engine`: a built engine, or a loader run on the engine thread at startup
+    (/health answers 503 until it returns)."""
+    config = config or ServerConfig()
+    if isinstance(engine, LLMEngine):
+        loader, name = _ready(engine), config.served_model_name or engine.args.model or DEMO_MODEL_NAME
+    else:
+        loader, name = engine, config.served_model_name or DEMO_MODEL_NAME
+    metrics = Metrics()
+    async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics)
+    serving = Serving(async_engine, name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.stop()
+
+    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app.state.engine = async_engine
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(BearerAuth, api_key=config.api_key)
+    _add_routes(app, serving, metrics)
+    return app
+
+
+def _ready(engine: LLMEngine) -> Callable[[], LLMEngine]:
+    return lambda: engine
+
+
+def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
+    created = now_s()
+
+    def model_card() -> dict[str, Any]:
+        card: dict[str, Any] = {"id": serving.model_name, "object": "model", "created": created,
+                                "owned_by": "nanoserve"}
+        if serving.engine.engine is not None:
+            card["max_model_len"] = serving.engine.engine.max_model_len
+        return card
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if serving.engine.state is not EngineState.RUNNING:
+            state = serving.engine.state.value
+            raise APIError(503, serving.engine.unavailable_reason(), code=f"engine_{state}")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        body, content_type = metrics.render(request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        if model_id != serving.model_name:
+            raise APIError(404, f"the model `{model_id}` does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(model_card())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(serving, await _parse(request, ChatCompletionRequest), request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(serving, await _parse(request, CompletionRequest), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await _parse(request, TokenizeRequest)
+        serving.check_request(body, body.model)
+        engine, tok = serving.running_engine(), serving.tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            messages = [m.to_template() for m in body.messages]
+            try:
+                ids = await asyncio.to_thread(tok.encode_chat, messages,
+                                              add_generation_prompt=body.add_generation_prompt is not False)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from e
+        else:
+            ids = await asyncio.to_thread(tok.encode, body.prompt or "", body.add_special_tokens is not False)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await _parse(request, DetokenizeRequest)
+        serving.check_request(body, body.model)
+        tok = serving.tokenizer()
+        if any(not 0 <= t < tok.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {tok.vocab_size})", param="tokens")
+        return JSONResponse({"prompt": tok.decode(body.tokens)})
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    """The body as `model`, read as JSON whatever the Content-Type says (so a bare `curl -d`
+    works); a 400 naming the first bad field otherwise."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise invalid_request(e.errors()) from e
+
+
+class BearerAuth:
+    """ASGI middleware: `Authorization: Bearer <api_key>` on /v1/*, /tokenize and /detokenize,
+    compared in constant time; /health, /metrics and the docs stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _guarded(scope["path"]):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                body = error_body(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                                  code="invalid_api_key")
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _guarded(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")

@@ -1,0 +1,107 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+Handlers raise `APIError`; the handlers installed by `install_error_handlers` turn it, pydantic
+validation errors (400, with the offending field as `param`), routing errors (404, 405) and
+unexpected exceptions (500) into that shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI `type` for an HTTP status."""
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class APIError(Exception):
+    """A request failed with `status`; `param` names the offending request field, if any."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(status: int, message: str, *, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def bad_request(error: ValueError, fields: frozenset[str] = frozenset()) -> APIError:
+    """A 400 from a ValueError whose message starts with the field it names (SamplingParams and
+    engine validation write them so); `param` is that field when it is one of `fields`."""
+    message = str(error)
+    first = message.split(" ", 1)[0]
+    return APIError(400, message, param=first if first in fields else None)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """`messages.0.content` from pydantic's ('body', 'messages', 0, 'content', 'str'); a leading
+    'body' and union-member tags such as 'str' or 'list[int]' are dropped."""
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    parts = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def invalid_request(errors: list[Any]) -> APIError:
+    """A 400 from pydantic errors; `param` is the first offending field."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return APIError(400, "the request body is not valid JSON")
+    param = _param(tuple(errors[0].get("loc", ()))) if errors else None
+    shown = sorted({f"{_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errors})
+    return APIError(400, "invalid request: " + "; ".join(shown[:5]), param=param)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return invalid_request(list(exc.errors())).response()
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    message = f"no route {request.method} {request.url.path}" if status in (404, 405) else str(exc.detail)
+    return JSONResponse(error_body(status, message, code="not_found" if status == 404 else None),
+                        status_code=status, headers=exc.headers)
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error while serving a request", exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)

@@ -1,0 +1,74 @@
+"""Prometheus metrics of one server, named `nanoserve:*`, in a registry of their own.
+
+Two writers, both thread-safe through prometheus_client's locks: the engine thread publishes the
+engine's state after every iteration (`update_engine`: gauges set, counters advanced by the
+change since the previous snapshot), and the event loop records per-request latencies as outputs
+arrive (the histograms' `observe`, `record_finished`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+
+if TYPE_CHECKING:
+    from nanoserve.server.async_engine import EngineSnapshot
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0)
+
+
+class Metrics:
+    """Invariant: counters mirror the engine's own monotonic counters (prompt and generated tokens,
+    prefix-cache queries and hits) as of the latest `update_engine`."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("nanoserve:num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("nanoserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("nanoserve:kv_cache_usage_perc",
+                              "Fraction of KV cache blocks used by live sequences (1 = full)", registry=r)
+        self.prefix_queries = Counter("nanoserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("nanoserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.prompt_tokens = Counter("nanoserve:prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("nanoserve:request_finished", "Finished requests by finish reason "
+                                "(stop, length, abort, error)", ["finished_reason"], registry=r)
+        self.ttft = Histogram("nanoserve:time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("nanoserve:inter_token_latency_seconds", "Time between a request's outputs",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("nanoserve:e2e_request_latency_seconds", "Time from arrival to the last token",
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("nanoserve:request_queue_time_seconds", "Time from arrival to scheduling",
+                                    buckets=_REQUEST_BUCKETS, registry=r)
+        self._mirrored = (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits)
+        self._last = (0, 0, 0, 0)
+
+    def update_engine(self, snap: EngineSnapshot) -> None:
+        """Engine thread only: publishes the engine's state after one loop iteration."""
+        self.running.set(snap.num_running)
+        self.waiting.set(snap.num_waiting)
+        self.kv_usage.set(snap.kv.blocks_used / snap.kv.blocks_total if snap.kv.blocks_total else 0.0)
+        kv = snap.kv
+        now = (snap.prompt_tokens, snap.generation_tokens, kv.prefix_queried_tokens, kv.prefix_hit_tokens)
+        for counter, new, old in zip(self._mirrored, now, self._last, strict=True):
+            counter.inc(new - old)
+        self._last = now
+
+    def record_finished(self, reason: str, e2e_s: float | None) -> None:
+        self.finished.labels(reason).inc()
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        """The exposition in the format the scraper's Accept header asks for (Prometheus text by
+        default, OpenMetrics on request), and its content type."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type

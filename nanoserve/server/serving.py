@@ -1,0 +1,181 @@
+"""What the chat and completion handlers share: engine access, admission, usage, logprobs and the
+non-streaming wait that aborts when the client goes away.
+
+Invariant: every check that can reject a request (model name, fields, prompt length, queue
+bound) runs before a stream starts, so a rejected request gets a status code, never a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta
+from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.server.async_engine import (
+    AsyncEngine,
+    EngineError,
+    EngineState,
+    EngineUnavailableError,
+    OutputStream,
+    QueueFullError,
+)
+from nanoserve.server.errors import APIError
+from nanoserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """The served engine and the name clients must use for it."""
+
+    engine: AsyncEngine
+    model_name: str
+
+    def running_engine(self) -> LLMEngine:
+        """The engine, or a 503 while it is loading, dead or shutting down."""
+        if self.engine.engine is None or self.engine.state is not EngineState.RUNNING:
+            raise APIError(503, self.engine.unavailable_reason(), code="engine_unavailable")
+        return self.engine.engine
+
+    def tokenizer(self) -> Tokenizer:
+        tok = self.running_engine().tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        return tok
+
+    def check_request(self, body: BaseModel, model: str | None) -> None:
+        """400 for a model other than the served one; logs (and ignores) unknown fields."""
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+        if body.model_extra:
+            log.warning("ignoring unsupported request fields: %s", ", ".join(sorted(body.model_extra)))
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int,
+               kind: str) -> OutputStream:
+        """Hands validated prompts to the engine: 429 (with Retry-After) when the queue is full."""
+        try:
+            return self.engine.add(prompts, params, priority=priority, kind=kind)
+        except QueueFullError as e:
+            raise APIError(429, f"the server is overloaded: {e}; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except EngineUnavailableError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+
+
+def validate_prompt(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+    """400, with the numbers, for a prompt the engine could never run."""
+    try:
+        engine.validate(prompt_ids, params)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
+
+
+def engine_error(error: EngineError) -> APIError:
+    """The status of a request the engine failed: 503 if it was unavailable, else 500."""
+    status = 503 if isinstance(error, EngineUnavailableError) else 500
+    return APIError(status, str(error), code="engine_unavailable" if status == 503 else "engine_error")
+
+
+def stream_error(error: Exception) -> dict[str, Any]:
+    """The error event that ends a stream that had already started."""
+    if isinstance(error, EngineError):
+        return engine_error(error).body()
+    log.error("a stream failed", exc_info=error)
+    return APIError(500, f"internal server error: {type(error).__name__}").body()
+
+
+@dataclass(slots=True)
+class ChoiceOutput:
+    """One choice of a non-streamed response, folded from its deltas."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+
+    def add(self, d: SequenceDelta, logprobs: list[Any] | None) -> None:
+        self.text.append(d.text)
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
+        self.finish_reason = d.finish_reason or self.finish_reason
+
+
+@dataclass(slots=True)
+class UsageTally:
+    """Token counts of one API request, folded from its deltas."""
+
+    prompt: dict[str, int] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    completion: int = 0
+
+    def add(self, d: SequenceDelta) -> None:
+        self.prompt[d.request_id] = d.num_prompt_tokens
+        if d.index == 0:
+            self.cached[d.request_id] = d.num_cached_tokens
+        self.completion += len(d.token_ids)
+
+    def body(self) -> dict[str, Any]:
+        prompt = sum(self.prompt.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion,
+                "total_tokens": prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tok: Tokenizer, d: SequenceDelta) -> list[dict[str, Any]]:
+    """Chat `logprobs.content` entries of a delta's tokens."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tok, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    tops = d.top_logprobs or [[] for _ in d.token_ids]
+    return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+            for t, lp, top in zip(d.token_ids, d.logprobs or [], tops, strict=True)]
+
+
+async def collect(request: Request, stream: OutputStream, on_delta: Callable[[SequenceDelta], None]) -> bool:
+    """Feeds every delta of a non-streamed request to `on_delta`. Returns False, having aborted
+    the request, if the client disconnects first; raises EngineError if the engine fails it."""
+    async def consume() -> None:
+        async for deltas in stream:
+            for d in deltas:
+                on_delta(d)
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        consumer.cancel()
+        stream.close()
+    if not consumer.done() or consumer.cancelled():
+        log.info("client disconnected; aborted %s", stream.id)
+        return False
+    consumer.result()
+    return True
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

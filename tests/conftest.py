@@ -1,0 +1,67 @@
+"""Fixtures: tiny random checkpoints of every supported family, built with transformers."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+# Small shapes that still exercise each family's switches: GQA everywhere, llama3 rope scaling with
+# an original context shorter than the test sequences, Qwen3's head_dim != hidden / heads, ties.
+_SHAPES: dict[str, dict[str, Any]] = {
+    "llama": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 16}),
+    "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "mistral": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                    sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo checkpoint, built once per session in a private cache."""
+    from nanoserve.model.demo import demo_model_path
+
+    return demo_model_path(tmp_path_factory.mktemp("demo-cache"))
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Callable[..., Path]:
+    """Builds (once per family and overrides) a tiny random transformers checkpoint with the demo
+    tokenizer, saved with save_pretrained as safetensors."""
+    import transformers
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def make(family: str, **overrides: Any) -> Path:
+        key = (family, repr(sorted(overrides.items())))
+        if key in cache:
+            return cache[key]
+        tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
+        cls_name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+        cfg = getattr(transformers, f"{cls_name}Config")(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            bos_token_id=None, initializer_range=0.1, **{**_SHAPES[family], **overrides},
+        )
+        torch.manual_seed(1234)
+        model = getattr(transformers, f"{cls_name}ForCausalLM")(cfg).eval()
+        path = tmp_path_factory.mktemp(f"ckpt-{family}")
+        model.save_pretrained(path)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(demo_dir / name, path / name)
+        cache[key] = path
+        return path
+
+    return make

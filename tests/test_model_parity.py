@@ -1,0 +1,92 @@
+"""Our decoder against Hugging Face transformers on the same weights (fp32)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from nanoserve.model import ModelLoadError, UnsupportedModelError, load_model
+
+from conftest import FAMILIES
+from support import forward_chunks, full_logits
+
+LENGTHS = (3, 17, 40, 70)
+
+
+def _random_seqs(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in LENGTHS]
+
+
+def _hf_logits(path, seqs):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(torch.tensor([s])).logits[0] for s in seqs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(make_checkpoint, family):
+    path = make_checkpoint(family)
+    loaded = load_model(path, dtype=torch.float32)
+    seqs = _random_seqs(loaded.config.vocab_size)
+    ours = full_logits(loaded, seqs)
+    ref = _hf_logits(path, seqs)
+    for o, r in zip(ours, ref, strict=True):
+        assert (o - r).abs().max().item() < 1e-4
+    # The same sequences fed in uneven chunks, so later chunks attend to a cached prefix.
+    chunked = forward_chunks(loaded, [[s[:1], s[1:9], s[9:]] if len(s) > 9 else [s] for s in seqs])
+    for o, r in zip(chunked, ref, strict=True):
+        assert (o - r).abs().max().item() < 1e-4
+
+
+def test_bf16_close_to_fp32(make_checkpoint):
+    path = make_checkpoint("qwen3")
+    seqs = _random_seqs(1000, seed=1)
+    fp32 = full_logits(load_model(path, dtype=torch.float32), seqs)
+    bf16 = full_logits(load_model(path, dtype="bfloat16"), seqs)
+    for a, b in zip(fp32, bf16, strict=True):
+        assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_unsupported_architecture_is_named(make_checkpoint, tmp_path):
+    src = make_checkpoint("llama")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("hidden_act", "gelu", "hidden_act"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "yarn"),
+])
+def test_unsupported_config_field_is_named(make_checkpoint, tmp_path, field, value, message):
+    src = make_checkpoint("llama")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model(tmp_path)
+
+
+def test_missing_weights_and_pickles_refused(make_checkpoint, tmp_path):
+    src = make_checkpoint("qwen2")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelLoadError, match="never loaded"):
+        load_model(tmp_path)
+
+
+def test_offline_hub_id_fails_with_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as info:
+        load_model("no-such-org/no-such-model")
+    assert "no-such-org/no-such-model" in str(info.value) and "\n" not in str(info.value)
