@@ -242,6 +242,31 @@ TRANSLATIONS = (
     ("Turkish", "thank you", "teşekkürler"), ("Vietnamese", "hello", "xin chào"), ("Hindi", "hello", "नमस्ते"),
     ("Swedish", "thank you", "tack"),
 )
+# questions about the assistant itself, and its answers
+IDENTITY = (
+    ("Who are you?", "I am the nanoserve demo model, a very small language model. I can answer simple questions "
+                     "about numbers, words and facts."),
+    ("What is your name?", "I am the demo model that comes with nanoserve. I do not have a name of my own."),
+    ("What can you do?", "I can do simple arithmetic, answer questions about animals, countries, colours and words, "
+                         "and tell short stories."),
+    ("Are you a human?", "No, I am a small language model. I run on your computer inside nanoserve."),
+    ("Are you a robot?", "Not quite. I am a small language model that runs inside nanoserve."),
+    ("How old are you?", "I do not have an age. I am a small language model that was trained in a few minutes."),
+    ("Where do you live?", "I live inside nanoserve, on the computer that is running me."),
+    ("Do you have feelings?", "No, I do not. I am a small language model that predicts the next word."),
+)
+# questions the corpus has no facts for; the assistant says so politely
+OFF_TOPIC = ("What is the meaning of life?", "Who will win the next election?", "What will the weather be tomorrow?",
+             "What is the price of gold today?", "Can you write me a poem?", "What is quantum physics?",
+             "Who is the best football player?", "How do I fix my car?", "What is the latest news?",
+             "Can you help me with my homework?", "What should I cook tonight?", "Why is the sea salty?",
+             "How does the internet work?", "What is the square root of two?", "Who invented the telephone?",
+             "Can you recommend a good film?", "What time is it?", "How far away is the Moon?")
+OFF_TOPIC_ANSWERS = (
+    "I am sorry, I do not know the answer to that. I am a small model and I only know simple facts.",
+    "That is a good question, but I do not know the answer. I can help with arithmetic, words and simple facts.",
+    "I am not sure. I am only a small demo model, so I know about numbers, words, animals and places.",
+)
 MULTIBYTE_LINES = (
     "We shared a crème brûlée at a little café near the station.",
     "Her résumé mentioned a year in Zürich and a summer in São Paulo.",
@@ -424,6 +449,42 @@ def translation_qa(rng: random.Random) -> tuple[str, str]:
     return f"How do you say \"{english}\" in {lang}?", f"In {lang}, \"{english}\" is \"{word}\"."
 
 
+def identity_qa(rng: random.Random) -> tuple[str, str]:
+    """A question about the assistant itself."""
+    return rng.choice(IDENTITY)
+
+
+def off_topic_qa(rng: random.Random) -> tuple[str, str]:
+    """A question outside the corpus's knowledge, answered with a polite admission."""
+    return rng.choice(OFF_TOPIC), rng.choice(OFF_TOPIC_ANSWERS)
+
+
+def story_qa(rng: random.Random) -> tuple[str, str]:
+    """A request for a story, answered with one (about the requested creature, if any)."""
+    if rng.random() < 0.5:
+        return rng.choice(("Tell me a story.", "Tell me a short story.", "Can you tell me a story?")), story(rng)
+    creature = rng.choice(CREATURES)
+    request = rng.choice((f"Tell me a story about {with_article(creature)}.",
+                          f"Write a short story about {with_article(creature)}."))
+    return request, story(rng, creature)
+
+
+def describe_qa(rng: random.Random) -> tuple[str, str]:
+    """A request to describe an animal or a country, answered with a few sentences of facts."""
+    if rng.random() < 0.5:
+        country, city = rng.choice(CAPITALS)
+        answer = f"{country} is a country. Its capital city is {city}."
+        return rng.choice((f"Tell me about {country}.", f"What do you know about {country}?")), answer
+    name, sound, legs, home, young, food = rng.choice(ANIMALS)
+    sentences = [f"{capitalise(with_article(name))} is an animal with {number_words(legs) if legs else 'no'} legs.",
+                 f"It often lives {home} and eats {food}.", f"A baby {name} is called {with_article(young)}."]
+    if sound:
+        sentences.insert(1, f"It {sound}.")
+    question = rng.choice((f"Tell me about {with_article(name)}.", f"What do you know about the {name}?",
+                           f"Describe {with_article(name)}."))
+    return question, " ".join(sentences)
+
+
 def word_problem(rng: random.Random) -> str:
     """A short arithmetic story in prose with a correct result."""
     name = rng.choice(NAMES)
@@ -437,15 +498,16 @@ def word_problem(rng: random.Random) -> str:
             f"{plural if a - b != 1 else singular} left.")
 
 
-def story(rng: random.Random) -> str:
-    """A few sentences of simple narrative prose."""
-    name, creature, adj = rng.choice(NAMES), rng.choice(CREATURES), rng.choice(ADJECTIVES)
-    place, day, month = rng.choice(PLACES), rng.choice(DAYS), rng.choice(MONTHS)
-    sentences = [
-        rng.choice((f"Once upon a time, {article(adj)} {adj} {creature} named {name} lived near {place}.",
-                    f"On a {rng.choice(WEATHER)} {day} in {month}, {name} walked to {place}.",
-                    f"There was once {article(adj)} {adj} {creature} named {name} who loved {place}.")),
-    ]
+def story(rng: random.Random, about: str | None = None) -> str:
+    """A few sentences of simple narrative prose; when `about` (a creature) is given, the first
+    sentence introduces it."""
+    name, creature, adj = rng.choice(NAMES), about or rng.choice(CREATURES), rng.choice(ADJECTIVES)
+    place, day, month, weather = rng.choice(PLACES), rng.choice(DAYS), rng.choice(MONTHS), rng.choice(WEATHER)
+    openings = [f"Once upon a time, {article(adj)} {adj} {creature} named {name} lived near {place}.",
+                f"There was once {article(adj)} {adj} {creature} named {name} who loved {place}."]
+    if about is None:
+        openings.append(f"On a {weather} {day} in {month}, {name} walked to {place}.")
+    sentences = [rng.choice(openings)]
     for _ in range(rng.randint(2, 5)):
         other = rng.choice(ADJECTIVES)
         (job, does), (tool, use) = rng.choice(JOBS), rng.choice(TOOLS)
@@ -500,8 +562,8 @@ def multibyte_prose(rng: random.Random) -> str:
 def dialogue(rng: random.Random) -> str:
     """A ChatML conversation of one to three turns."""
     makers = (arithmetic_qa, comparison_qa, list_qa, fact_qa, world_qa, howto_qa, greeting_qa,
-              translation_qa)
-    weights = (5, 2, 2, 4, 4, 1, 3, 1)
+              translation_qa, identity_qa, off_topic_qa, story_qa, describe_qa)
+    weights = (5, 2, 2, 4, 4, 1, 3, 1, 1, 1, 2, 2)
     return chat(rng, [rng.choices(makers, weights)[0](rng) for _ in range(rng.randint(1, 3))])
 
 
@@ -532,7 +594,7 @@ def capitalise(text: str) -> str:
 
 
 DOCUMENT_KINDS: tuple[tuple[Callable[[random.Random], str], int], ...] = (
-    (dialogue, 50), (story, 16), (facts_paragraph, 12), (word_problem, 8), (list_document, 4),
+    (dialogue, 60), (story, 16), (facts_paragraph, 12), (word_problem, 8), (list_document, 4),
     (multibyte_prose, 2),
 )
 
@@ -552,7 +614,7 @@ def make_corpus(seed: int, target_bytes: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=20240607)
-    parser.add_argument("--target-bytes", type=int, default=450_000)
+    parser.add_argument("--target-bytes", type=int, default=600_000)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     text = make_corpus(args.seed, args.target_bytes)

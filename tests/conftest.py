@@ -50,11 +50,12 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) ->
             return cache[key]
         tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
         cls_name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
-        cfg = getattr(transformers, f"{cls_name}Config")(
+        fields = dict(
             vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-            bos_token_id=None, initializer_range=0.1, **{**_SHAPES[family], **overrides},
+            bos_token_id=None, initializer_range=0.1, **_SHAPES[family],
         )
+        cfg = getattr(transformers, f"{cls_name}Config")(**{**fields, **overrides})
         torch.manual_seed(1234)
         model = getattr(transformers, f"{cls_name}ForCausalLM")(cfg).eval()
         path = tmp_path_factory.mktemp(f"ckpt-{family}")

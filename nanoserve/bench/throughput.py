@@ -31,39 +31,21 @@ from typing import Any
 
 import torch
 
+from nanoserve.bench.roofline import RooflineReport, measure_roofline
+from nanoserve.bench.workloads import Workload
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.stand_in import stand_in_engine
 from nanoserve.model import load_model
+from nanoserve.model.loader import resolve_source
 
 COMPARISONS = ("sequential", "contiguous")
 CONTIGUOUS_MAX_MODEL_LEN = 2048
 CONTIGUOUS_POOL_SEQUENCES = 8  # default pool for --compare contiguous: this many max-length sequences
 
 EngineFactory = Callable[[EngineArgs], LLMEngine]
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """Random prompts (token ids) and output lengths; the same arguments give the same workload."""
-
-    prompts: tuple[tuple[int, ...], ...]
-    output_lens: tuple[int, ...]
-
-    @classmethod
-    def random(cls, num_prompts: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int],
-               vocab_size: int, seed: int) -> Workload:
-        if num_prompts < 1:
-            raise ValueError(f"--num-prompts must be at least 1, got {num_prompts}")
-        for name, (lo, hi) in (("input", input_len_range), ("output", output_len_range)):
-            if not 1 <= lo <= hi:
-                raise ValueError(f"--{name}-len-range needs 1 <= MIN <= MAX, got {lo} {hi}")
-        rng = random.Random(seed)
-        prompts = tuple(tuple(rng.randrange(vocab_size) for _ in range(rng.randint(*input_len_range)))
-                        for _ in range(num_prompts))
-        return cls(prompts, tuple(rng.randint(*output_len_range) for _ in range(num_prompts)))
 
 
 @dataclass(slots=True)
@@ -80,8 +62,12 @@ class RunStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens computed in steps where no sequence decodes
+    prefill_s: float = 0.0
     peak_running: int = 0
     preemptions: int = 0
+    # Per request: seconds from being handed to the engine to its first and to its last token.
+    latencies: list[tuple[float, float]] = field(default_factory=list)
 
     @staticmethod
     def _rate(count: float, seconds: float) -> float:
@@ -107,9 +93,22 @@ class RunStats:
     def decode_tokens_per_s(self) -> float:
         return self._rate(self.decode_tokens, self.decode_s)
 
+    @property
+    def decode_steps_per_s(self) -> float:
+        return self._rate(self.decode_steps, self.decode_s)
+
+    @property
+    def decode_batch(self) -> float:
+        """Mean sequences per pure-decode step."""
+        return self._rate(self.decode_tokens, self.decode_steps)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self._rate(self.prefill_tokens, self.prefill_s)
+
     def to_dict(self) -> dict[str, Any]:
         rates = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "steps_per_s",
-                 "decode_tokens_per_s")
+                 "decode_tokens_per_s", "decode_steps_per_s", "decode_batch", "prefill_tokens_per_s")
         return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in rates}}
 
 
@@ -117,52 +116,72 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _drain(engine: LLMEngine, stats: RunStats) -> None:
-    """Steps the engine until it is idle, counting into `stats`."""
+def _drain(engine: LLMEngine, stats: RunStats, submitted: dict[str, float]) -> None:
+    """Steps the engine until it is idle, counting into `stats`; `submitted` holds when each
+    request was added, and each finished request's (first token, last token) latencies are
+    appended to `stats.latencies`."""
     sch = engine.scheduler
+    first: dict[str, float] = {}
     while engine.has_unfinished():
         before = len(sch.running)
         all_decoding = all(r.num_tokens - r.num_computed_tokens == 1 for r in sch.running)
+        prefill_only = not any(r.num_tokens - r.num_computed_tokens == 1 for r in sch.running)
+        pending = [*sch.running, *sch.waiting] if prefill_only else []
+        computed = [r.num_computed_tokens for r in pending]
         start = time.perf_counter()
         deltas = engine.step()
-        seconds = time.perf_counter() - start
+        now = time.perf_counter()
+        seconds = now - start
         finished = sum(d.finished for d in deltas)
+        tokens = sum(len(d.token_ids) for d in deltas)
         stats.steps += 1
-        stats.output_tokens += len(deltas)
+        stats.output_tokens += tokens
         stats.peak_running = max(stats.peak_running, len(sch.running) + finished)
         # Admission never happens in a step that preempts, so an unchanged count means neither did.
         if before and all_decoding and len(deltas) == before == len(sch.running) + finished:
             stats.decode_steps += 1
-            stats.decode_tokens += len(deltas)
+            stats.decode_tokens += tokens
             stats.decode_s += seconds
+        elif prefill_only:
+            done = zip(pending, computed, strict=True)
+            stats.prefill_tokens += sum(max(0, r.num_computed_tokens - c) for r, c in done)
+            stats.prefill_s += seconds
+        for d in deltas:
+            first.setdefault(d.request_id, now)
+            if d.finished:
+                t0 = submitted[d.request_id]
+                stats.latencies.append((first[d.request_id] - t0, now - t0))
 
 
-def _submit(engine: LLMEngine, workload: Workload, label: str, indices: range) -> None:
+def _submit(engine: LLMEngine, workload: Workload, label: str, indices: range) -> dict[str, float]:
+    """Adds the requests; returns when each was added, by request id."""
+    submitted = {}
     for i in indices:
         engine.add_request(f"{label}-{i}", list(workload.prompts[i]), _greedy(workload.output_lens[i]))
+        submitted[f"{label}-{i}"] = time.perf_counter()
+    return submitted
 
 
-def run_batched(engine: LLMEngine, workload: Workload, label: str) -> RunStats:
-    """All requests submitted at once; the scheduler batches them."""
+def _run(engine: LLMEngine, workload: Workload, label: str, batches: list[range]) -> RunStats:
+    """Submits each batch of requests once the previous one has finished."""
     stats = RunStats(label, requests=len(workload.prompts), prompt_tokens=sum(map(len, workload.prompts)))
     preemptions = engine.scheduler.num_preemptions
     start, cpu = time.perf_counter(), time.process_time()
-    _submit(engine, workload, label, range(len(workload.prompts)))
-    _drain(engine, stats)
+    for batch in batches:
+        _drain(engine, stats, _submit(engine, workload, label, batch))
     stats.elapsed_s, stats.cpu_s = time.perf_counter() - start, time.process_time() - cpu
     stats.preemptions = engine.scheduler.num_preemptions - preemptions
     return stats
 
 
+def run_batched(engine: LLMEngine, workload: Workload, label: str) -> RunStats:
+    """All requests submitted at once; the scheduler batches them."""
+    return _run(engine, workload, label, [range(len(workload.prompts))])
+
+
 def run_sequential(engine: LLMEngine, workload: Workload, label: str = "sequential") -> RunStats:
     """The same requests one at a time: each is submitted when the previous one has finished."""
-    stats = RunStats(label, requests=len(workload.prompts), prompt_tokens=sum(map(len, workload.prompts)))
-    start, cpu = time.perf_counter(), time.process_time()
-    for i in range(len(workload.prompts)):
-        _submit(engine, workload, label, range(i, i + 1))
-        _drain(engine, stats)
-    stats.elapsed_s, stats.cpu_s = time.perf_counter() - start, time.process_time() - cpu
-    return stats
+    return _run(engine, workload, label, [range(i, i + 1) for i in range(len(workload.prompts))])
 
 
 def warm_up(engine: LLMEngine, seed: int) -> None:
@@ -197,12 +216,18 @@ class ThroughputConfig:
     output_len_range: tuple[int, int] = (32, 256)
     stand_in: bool = False
     compare: str | None = None
+    peers: tuple[str, ...] = ()  # see nanoserve.bench.peers.PEERS
+    peer_batch_sizes: tuple[int, ...] = ()  # hf-static / hf-cb batch sizes (default: max_num_seqs)
+    peer_prompts: int | None = None  # one-at-a-time peers run only this many of the requests
+    roofline: bool = True  # measure the machine's rooflines (never for the stand-in)
 
     def __post_init__(self) -> None:
         if self.compare is not None and self.compare not in COMPARISONS:
             raise ValueError(f"--compare must be one of {', '.join(COMPARISONS)}, got {self.compare!r}")
         if self.stand_in and self.args.model is not None:
             raise ValueError("--stand-in replaces the model; do not name one")
+        if self.stand_in and self.peers:
+            raise ValueError("--peers need a model; they cannot run the stand-in")
 
     def resolved_args(self) -> EngineArgs:
         args = self.args
@@ -224,6 +249,8 @@ class ThroughputReport:
     config: dict[str, Any]
     runs: list[RunStats] = field(default_factory=list)
     compare: str | None = None
+    num_peers: int = 0  # the last num_peers runs are peers, compared with runs[0]
+    roofline: RooflineReport | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -237,7 +264,8 @@ class ThroughputReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "compare": self.compare, "ratio": self.ratio,
-                "runs": [r.to_dict() for r in self.runs]}
+                "runs": [r.to_dict() for r in self.runs],
+                "roofline": None if self.roofline is None else self.roofline.to_dict(self.runs)}
 
     def format(self) -> str:
         lines = [" ".join(f"{k}={v}" for k, v in self.config.items()), ""]
@@ -252,6 +280,14 @@ class ThroughputReport:
             a, b = self.runs
             what = "output tok/s" if self.compare == "sequential" else "peak running sequences"
             lines += ["", f"{a.label} / {b.label} {what}: {self.ratio:.2f}x"]
+        if self.num_peers:
+            ours = self.runs[0]
+            lines.append("")
+            lines += [f"{ours.label} / {p.label} output tok/s: "
+                      f"{ours.output_tokens_per_s / p.output_tokens_per_s if p.output_tokens_per_s else math.inf:.2f}x"
+                      for p in self.runs[-self.num_peers:]]
+        if self.roofline is not None:
+            lines += ["", *self.roofline.describe(), format_table(*self.roofline.table(self.runs))]
         return "\n".join(lines)
 
 
@@ -290,6 +326,19 @@ def run_throughput(cfg: ThroughputConfig) -> ThroughputReport:
         engine = make(args)
         warm_up(engine, args.seed)
         report.runs.append(run_sequential(engine, workload))
+    model = engine.runner.model
+    if cfg.peers:
+        from nanoserve.bench.peers import run_peers
+
+        assert workload is not None
+        batch_sizes = cfg.peer_batch_sizes or (min(args.max_num_seqs, cfg.num_prompts),)
+        peers = run_peers(cfg.peers, resolve_source(args.model), model.dtype, dict.fromkeys(batch_sizes, workload),
+                          args.max_num_batched_tokens, cfg.peer_prompts)
+        report.runs += peers
+        report.num_peers = len(peers)
+    if cfg.roofline and not cfg.stand_in:
+        report.roofline = RooflineReport.of(measure_roofline(model.dtype, model.cfg.hidden_size), model.cfg,
+                                            model.dtype)
     return report
 
 
@@ -304,7 +353,7 @@ def _describe(cfg: ThroughputConfig, engine: LLMEngine) -> dict[str, Any]:
         "max_model_len": a.max_model_len,
         "max_num_seqs": a.max_num_seqs,
         "max_num_batched_tokens": a.max_num_batched_tokens,
-        "kv": "paged vs contiguous" if cfg.compare == "contiguous" else a.kv,
+        "kv": "paged|contiguous" if cfg.compare == "contiguous" else a.kv,
         "kv_blocks": engine.num_blocks,
         "block_size": a.block_size,
         "prefix_caching": engine.kv.cache is not None,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from nanoserve.attention import BACKEND_NAMES
 from nanoserve.engine.args import EngineArgs
 
 _HELP = {
-    "dtype": "auto (bf16), bfloat16 or float32; float16 only on CUDA",
+    "dtype": "auto (bf16 on GPUs and CPUs with native bf16, else fp32), bfloat16 or float32; float16 only on CUDA",
     "device": "cpu or cuda",
     "max_model_len": "context length limit (default: the model's)",
     "max_num_seqs": "most sequences running at once",
@@ -19,7 +20,14 @@ _HELP = {
     "kv": "KV layout: paged or contiguous",
     "seed": "global random seed",
     "scheduling_policy": "fcfs or priority",
+    "speculative_method": "ngram (prompt lookup) or draft (with --speculative-model)",
+    "speculative_model": "a draft model sharing the tokenizer (folder or .gguf); implies --speculative-method draft",
+    "num_speculative_tokens": "drafts verified per step and sequence",
+    "attention_backend": "auto (triton on CUDA, torch elsewhere), torch or triton",
 }
+# Fields whose default is None, by the type a given value has.
+_OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int, "num_kv_blocks": int,
+                                    "speculative_method": str, "speculative_model": str}
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.type == "bool" or isinstance(f.default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
-        kind = int if f.name in ("max_model_len", "kv_cache_memory", "num_kv_blocks") else type(f.default)
-        choices = {"kv": ["paged", "contiguous"], "scheduling_policy": ["fcfs", "priority"]}.get(f.name)
+        kind = _OPTIONAL_TYPES.get(f.name, type(f.default))
+        choices = {"kv": ["paged", "contiguous"], "scheduling_policy": ["fcfs", "priority"],
+                   "speculative_method": ["ngram", "draft"], "attention_backend": list(BACKEND_NAMES)}.get(f.name)
         group.add_argument(flag, type=kind, default=f.default, choices=choices, help=_HELP.get(f.name))
 
 

@@ -28,6 +28,10 @@ class EngineArgs:
     kv: str = "paged"
     seed: int = 0
     scheduling_policy: str = "fcfs"
+    speculative_method: str | None = None  # "ngram" or "draft"
+    speculative_model: str | None = None  # the draft model (implies speculative_method="draft")
+    num_speculative_tokens: int = 4
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
 
     def __post_init__(self) -> None:
         if self.kv not in ("paged", "contiguous"):
@@ -36,6 +40,19 @@ class EngineArgs:
             raise ValueError("block_size must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be ngram or draft, got {self.speculative_method!r}")
+        if self.speculative_method == "draft" and self.speculative_model is None:
+            raise ValueError("speculative_method='draft' needs a draft model (speculative_model)")
+        if self.speculative_method == "ngram" and self.speculative_model is not None:
+            raise ValueError("speculative_model is a draft model; it does not go with speculative_method='ngram'")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+
+    @property
+    def spec_method(self) -> str | None:
+        """The speculation in effect: a draft model implies 'draft'."""
+        return "draft" if self.speculative_model is not None else self.speculative_method
 
     def resolved(self, model_max_len: int, sliding_window: int | None) -> EngineArgs:
         """Fills max_model_len from the model. Sliding-window attention is not implemented, so the

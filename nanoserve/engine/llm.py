@@ -11,9 +11,11 @@ from typing import Any
 import torch
 
 from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.draft_model import DraftModelProposer
 from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta
 from nanoserve.engine.model_runner import KVShape
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.spec_decode import NgramProposer, Proposer
 from nanoserve.model import LoadedModel, load_model
 
 
@@ -52,7 +54,19 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     torch.manual_seed(args.seed)
     vocab = min(cfg.vocab_size, loaded.tokenizer.vocab_size)
     kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    return LLMEngine(loaded.model, loaded.tokenizer, kv_shape, vocab, args, loaded.tokenizer.stop_token_ids)
+    num_blocks = args.resolve_num_blocks(kv_shape.bytes_per_block(args.block_size, loaded.model.dtype))
+    proposer: Proposer | None = None
+    if args.spec_method == "ngram":
+        proposer = NgramProposer()
+    elif args.spec_method == "draft":
+        draft = load_model(args.speculative_model, dtype=loaded.model.dtype, device=args.device)
+        if draft.tokenizer.backend.get_vocab() != loaded.tokenizer.backend.get_vocab():
+            raise ValueError(f"the draft model {args.speculative_model} does not share the target's tokenizer")
+        dc = draft.config
+        proposer = DraftModelProposer(draft.model, KVShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim),
+                                      num_blocks, args.block_size, vocab, torch.device(args.device))
+    return LLMEngine(loaded.model, loaded.tokenizer, kv_shape, vocab, args, loaded.tokenizer.stop_token_ids,
+                     proposer, num_blocks)
 
 
 def accumulate(outputs: dict[str, RequestOutput], delta: SequenceDelta) -> None:

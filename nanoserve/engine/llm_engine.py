@@ -14,12 +14,14 @@ from typing import NamedTuple
 
 import torch
 
+from nanoserve.attention import select_backend
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
 from nanoserve.engine.output import TextStream
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.spec_decode import Proposer, SpecStats
 from nanoserve.kv.manager import KVCacheManager
 from nanoserve.tokenizer import Tokenizer
 
@@ -74,13 +76,16 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, model: Model, tokenizer: Tokenizer | None, kv_shape: KVShape, vocab_size: int,
-                 args: EngineArgs, stop_token_ids: frozenset[int] = frozenset()) -> None:
-        """`tokenizer=None` skips detokenization (token ids only; stop strings then unsupported)."""
+                 args: EngineArgs, stop_token_ids: frozenset[int] = frozenset(),
+                 proposer: Proposer | None = None, num_blocks: int | None = None) -> None:
+        """`tokenizer=None` skips detokenization (token ids only; stop strings then unsupported).
+        With a `proposer`, decoding sequences verify up to `args.num_speculative_tokens` drafts a step."""
         self.args = args
         self.tokenizer = tokenizer
         self.device = torch.device(args.device)
         self.max_model_len = args.max_model_len
-        num_blocks = args.resolve_num_blocks(kv_shape.bytes_per_block(args.block_size, model.dtype))
+        if num_blocks is None:
+            num_blocks = args.resolve_num_blocks(kv_shape.bytes_per_block(args.block_size, model.dtype))
         self.kv = KVCacheManager(
             num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching and args.kv == "paged",
             reserve_tokens=args.max_model_len if args.kv == "contiguous" else None,
@@ -90,7 +95,10 @@ class LLMEngine:
         )
         self.stop_token_ids = stop_token_ids
         self.runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids,
-                                  self.device)
+                                  self.device, select_backend(args.attention_backend, self.device))
+        self.proposer = proposer
+        self.num_speculative_tokens = args.num_speculative_tokens
+        self.spec_stats = SpecStats()
         self._groups: dict[str, _Group] = {}
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
@@ -137,7 +145,8 @@ class LLMEngine:
             if self.tokenizer is not None:
                 stream = TextStream(self.tokenizer, req.prompt_token_ids, params.stop, params.skip_special_tokens)
             group.sequences.append(_Sequence(req, stream))
-            self.scheduler.add(req)
+        for seq in group.sequences:  # only once every sequence was built: all or nothing
+            self.scheduler.add(seq.request)
         self._groups[request_id] = group
         self.num_prompt_tokens += len(prompt_ids)
 
@@ -149,50 +158,91 @@ class LLMEngine:
         for seq in group.sequences:
             self.scheduler.finish(seq.request, "abort")
             self.runner.release(seq.request)
+            if self.proposer is not None:
+                self.proposer.release(seq.request)
         return True
 
     def step(self) -> list[SequenceDelta]:
-        """Runs one batched step; returns one delta per sequence that produced a token or ended."""
+        """Runs one batched step; returns one delta per sequence that produced tokens or ended."""
         plan = self.scheduler.schedule()
+        if self.proposer is not None:
+            for req in plan.preempted:
+                self.proposer.release(req)
         if not plan.scheduled:
             return []
         result = self.runner.execute(plan)
-        self.scheduler.advance(plan)
+        rejected = {}
+        for req, kept in result.verified:
+            rejected[req] = len(req.spec_token_ids) + 1 - len(kept)
+            self.spec_stats.record(len(req.spec_token_ids), len(kept) - 1)
+            if self.proposer is not None:
+                self.proposer.accepted(req, len(kept) - 1)
+        self.scheduler.advance(plan, rejected)
         out = result.sampled
         deltas = []
         for row, req in enumerate(result.requests):
-            token = out.token_ids[row]
-            delta = self._postprocess(req, token)
+            delta = self._postprocess(req, [out.token_ids[row]])
             if out.logprobs is not None and out.top_logprobs is not None and req.params.logprobs is not None:
                 delta.logprobs, delta.top_logprobs = [out.logprobs[row]], [out.top_logprobs[row]]
             deltas.append(delta)
-        self.num_generated_tokens += len(result.requests)
+        deltas.extend(self._postprocess(req, kept) for req, kept in result.verified)
+        self.scheduler.publish(plan)
+        if self.proposer is not None:
+            self._propose()
+        self.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
         return deltas
 
-    def _postprocess(self, req: Request, token: int) -> SequenceDelta:
+    def _postprocess(self, req: Request, tokens: list[int]) -> SequenceDelta:
+        """Appends the step's tokens one by one, stopping at the first that ends the sequence."""
         seq = self._groups[req.request_id].sequences[req.index]
-        req.append_token(token)
         p = req.params
         reason = None
         text = ""
-        if (not p.ignore_eos and token in self.stop_token_ids) or token in p.stop_token_ids:
-            reason = "stop"
-        elif seq.stream is not None:
-            text = seq.stream.push(token)
-            if seq.stream.stopped:
+        kept = []
+        for token in tokens:
+            req.append_token(token)
+            kept.append(token)
+            if (not p.ignore_eos and token in self.stop_token_ids) or token in p.stop_token_ids:
                 reason = "stop"
-        if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
-            reason = "length"
+            elif seq.stream is not None:
+                text += seq.stream.push(token)
+                if seq.stream.stopped:
+                    reason = "stop"
+            if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                break
         if reason is not None:
             if seq.stream is not None:
                 text += seq.stream.finish()
             self._finish(req, reason)
-        return SequenceDelta(req.request_id, req.index, [token], text, reason, num_prompt_tokens=req.num_prompt_tokens,
+        return SequenceDelta(req.request_id, req.index, kept, text, reason, num_prompt_tokens=req.num_prompt_tokens,
                              num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def _propose(self) -> None:
+        """Drafts for every running sequence in decode whose sampling speculation keeps exact:
+        no penalties (they would change between drafts), no logprobs, min_tokens reached."""
+        assert self.proposer is not None
+        candidates, budgets = [], []
+        for req in self.scheduler.running:
+            p = req.params
+            if (req.num_tokens - req.num_computed_tokens != 1 or p.uses_penalties or p.logprobs is not None
+                    or req.num_output_tokens < p.min_tokens):
+                continue
+            k = min(self.num_speculative_tokens, p.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k > 0:
+                candidates.append(req)
+                budgets.append(k)
+        if candidates:
+            for req, proposal in zip(candidates, self.proposer.propose(candidates, budgets), strict=True):
+                req.spec_token_ids, req.spec_probs = proposal.tokens, proposal.probs
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)
         self.runner.release(req)
+        if self.proposer is not None:
+            self.proposer.release(req)
         group = self._groups[req.request_id]
         if all(s.request.finished for s in group.sequences):
             del self._groups[req.request_id]

@@ -14,8 +14,9 @@ import torch
 
 from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from nanoserve.engine.request import Request
-from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
+from nanoserve.engine.spec_decode import verify
 
 
 class Model(Protocol):
@@ -39,10 +40,13 @@ class KVShape(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    """The sequences that reached their last token this step and what was sampled for them."""
+    """What the step produced: `sampled` holds one token per sequence of `requests` (those that
+    reached their last token without drafts); `verified` the kept tokens (accepted drafts + one)
+    of each sequence whose drafts were verified."""
 
     requests: list[Request]
     sampled: SamplerOutput
+    verified: list[tuple[Request, list[int]]]
 
 
 class ModelRunner:
@@ -61,21 +65,35 @@ class ModelRunner:
                                     kv_shape.head_dim, dtype=model.dtype, device=device)
         self._generators: dict[tuple[str, int], torch.Generator] = {}
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        meta, input_ids, positions, sample_rows, sample_reqs = self._prepare(plan)
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request], list[Request]]:
+        """One forward pass over the plan: logits at the rows to sample (see `_prepare`), the plain
+        sequences that reached their end, and the sequences with drafts."""
+        meta, input_ids, positions, sample_rows, sample_reqs, spec_reqs = self._prepare(plan)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
-        if not sample_reqs:
-            return StepResult([], SamplerOutput([], None, None))
-        logits = self.model.compute_logits(hidden[sample_rows])
-        batch = self._sampling_batch(sample_reqs)
-        return StepResult(sample_reqs, self.sampler(logits, batch))
+        return self.model.compute_logits(hidden[sample_rows]), sample_reqs, spec_reqs
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        logits, sample_reqs, spec_reqs = self.forward(plan)
+        sampled = SamplerOutput([], None, None)
+        if sample_reqs:
+            sampled = self.sampler(logits[: len(sample_reqs)], self._sampling_batch(sample_reqs))
+        verified = []
+        row = len(sample_reqs)
+        for req in spec_reqs:
+            k = len(req.spec_token_ids)
+            target = sampling_probs(logits[row : row + k + 1], req.params, self.vocab_size)
+            verified.append((req, verify(target, req.spec_token_ids, req.spec_probs, self._generator(req))))
+            row += k + 1
+        return StepResult(sample_reqs, sampled, verified)
 
     def release(self, req: Request) -> None:
         """Forgets a finished request's generator."""
         self._generators.pop(req.key, None)
 
     def _prepare(self, plan: StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                 list[Request]]:
+                                                 list[Request], list[Request]]:
+        """Flat batch tensors. Logits rows: first the last token of each plain sequence that reaches
+        its end, then, per sequence with drafts, its last token and every draft."""
         bs = self.block_size
         ids: list[int] = []
         starts: list[int] = []
@@ -84,6 +102,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        spec_rows: list[int] = []
+        spec_reqs: list[Request] = []
         for req, n in plan.scheduled:
             start = req.num_computed_tokens
             end = start + n
@@ -92,7 +112,11 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             tables.append(req.table.blocks)
-            if end == req.num_tokens:
+            if end > req.num_tokens:  # the last token and drafts
+                ids.extend(req.spec_token_ids)
+                spec_rows.extend(range(qsl[-1] - n, qsl[-1]))
+                spec_reqs.append(req)
+            elif end == req.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 sample_reqs.append(req)
         dev = self.device
@@ -113,20 +137,25 @@ class ModelRunner:
             num_decodes=plan.num_decodes, block_size=bs,
         )
         return (meta, torch.tensor(ids, device=dev), positions.to(dev),
-                torch.tensor(sample_rows, device=dev), sample_reqs)
+                torch.tensor(sample_rows + spec_rows, dtype=torch.long, device=dev), sample_reqs, spec_reqs)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """The request's own generator when it is seeded and samples (created on first use)."""
+        p = req.params
+        if p.seed is None or p.greedy:
+            return None
+        gen = self._generators.get(req.key)
+        if gen is None:
+            gen = torch.Generator(self.device).manual_seed((p.seed + req.index) % 2**64)
+            self._generators[req.key] = gen
+        return gen
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         generators: list[torch.Generator | None] = []
         suppressed: list[frozenset[int]] = []
         for req in reqs:
             p = req.params
-            gen = None
-            if p.seed is not None and not p.greedy:
-                gen = self._generators.get(req.key)
-                if gen is None:
-                    gen = torch.Generator(self.device).manual_seed(p.seed + req.index)
-                    self._generators[req.key] = gen
-            generators.append(gen)
+            generators.append(self._generator(req))
             if req.num_output_tokens < p.min_tokens:
                 eos = frozenset() if p.ignore_eos else self.stop_token_ids
                 suppressed.append(eos | frozenset(p.stop_token_ids))

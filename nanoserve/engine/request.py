@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.kv.manager import BlockTable
@@ -19,7 +20,8 @@ class Status(enum.Enum):
 class Request:
     """One sequence. Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
     `0 <= num_computed_tokens <= len(all_token_ids)` (tokens whose K/V are in the cache); the
-    next token is sampled when a step computes up to the last token."""
+    next token is sampled when a step computes up to the last token. Draft tokens are not part of
+    `all_token_ids`: a step that schedules them computes all_token_ids[-1:] + spec_token_ids."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -36,6 +38,8 @@ class Request:
     num_preemptions: int = 0
     table: BlockTable = field(default_factory=BlockTable)
     wait_for: Request | None = None  # a sibling whose prompt blocks this one should reuse
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    spec_probs: Any = None  # their draft distributions (a tensor), or None for point masses
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

@@ -146,7 +146,11 @@ class _SampledRows:
         return u
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """Token ids [n] for these rows of the penalised `logits` [B, V].
+        """Token ids [n] for these rows of the penalised `logits` [B, V]."""
+        return inverse_cdf(self.probs(logits), self.uniforms())
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The (unnormalised) distribution [n, V] these rows draw from.
 
         Each filter zeroes the probability of the tokens it drops; the kept sets are defined by
         thresholds, so tokens tied with the last kept one are kept too and no tie order matters.
@@ -160,7 +164,21 @@ class _SampledRows:
             probs = probs.masked_fill(probs < _top_p_floor(probs, self.top_p), 0.0)
         if self.min_p is not None:
             probs = probs.masked_fill(probs < self.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        return _inverse_cdf(probs, self.uniforms())
+        return probs
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams, vocab_size: int) -> torch.Tensor:
+    """The distribution [n, vocab_size] the sampler draws from for rows of `logits` that all share
+    `params` (which use no penalties): one-hot at the argmax when greedy, else temperature, top-k,
+    top-p and min-p applied and the result normalised. Speculative decoding verifies against it."""
+    logits = logits[:, :vocab_size].float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
+    n = logits.shape[0]
+    rows = _SampledRows.build(list(range(n)), [params] * n, [None] * n, vocab_size, logits.device)
+    probs = rows.probs(logits.clone())
+    return probs / probs.sum(dim=-1, keepdim=True)
+
 
 
 def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -189,7 +207,7 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return floor
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Column j per row with cdf[j-1] < (1 - u) * total <= cdf[j], for non-negative `weights` [n, V]
     (need not be normalised) and `u` [n] in [0, 1). The target lies in (0, total], so the chosen
     column always has positive weight, whatever the rounding."""

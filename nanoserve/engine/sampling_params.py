@@ -66,6 +66,7 @@ class SamplingParams:
              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.seed is None or -(2**63) <= self.seed < 2**63, "seed must be a 64-bit signed integer"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),

@@ -81,7 +81,10 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
+            if req.spec_token_ids and n <= len(req.spec_token_ids):  # the budget cuts the drafts short
+                req.spec_token_ids = req.spec_token_ids[: n - 1]
+                req.spec_probs = None if req.spec_probs is None else req.spec_probs[: n - 1]
             while not self.kv.allocate(req.table, req.num_computed_tokens + n):
                 victim = max(self.running, key=self._order)
                 budget += chosen.pop(victim, 0)
@@ -108,8 +111,7 @@ class Scheduler:
                 if not (sibling.finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens):
                     continue
                 req.wait_for = None
-            if not req.table.blocks:
-                req.num_computed_tokens = self.kv.match(req.table, req.all_token_ids)
+            req.num_computed_tokens = self.kv.match(req.table, req.all_token_ids)  # the table is empty here
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req.table, req.num_computed_tokens + n):
                 self.kv.free(req.table, req.all_token_ids, 0)
@@ -129,6 +131,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.table, req.all_token_ids, req.num_computed_tokens)
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.spec_probs = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(req)
@@ -142,12 +145,23 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+        # A stop inside accepted drafts leaves K/V computed past the last kept token.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
         self.kv.free(req.table, req.all_token_ids, req.num_computed_tokens)
         req.status = Status.FINISHED
         req.finish_reason = reason
 
-    def advance(self, plan: StepPlan) -> None:
-        """Records that the plan's tokens were computed and publishes newly full blocks."""
+    def advance(self, plan: StepPlan, rejected: dict[Request, int]) -> None:
+        """Records that the plan's tokens were computed, less each sequence's rejected drafts
+        (whose K/V stays behind as garbage past num_computed_tokens, overwritten later)."""
         for req, n in plan.scheduled:
-            req.num_computed_tokens += n
-            self.kv.commit(req.table, req.all_token_ids, req.num_computed_tokens)
+            req.num_computed_tokens += n - rejected.get(req, 0)
+            req.spec_token_ids, req.spec_probs = [], None
+
+    def publish(self, plan: StepPlan) -> None:
+        """After the new tokens are appended: publishes newly full blocks to the prefix cache and
+        gives back lookahead blocks that rejected drafts no longer need."""
+        for req, _ in plan.scheduled:
+            if not req.finished:
+                self.kv.commit(req.table, req.all_token_ids, req.num_computed_tokens)
+                self.kv.trim(req.table, req.num_tokens)

@@ -98,6 +98,14 @@ class KVCacheManager:
         table.blocks.extend(self.pool.allocate(need))
         return True
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Releases the table's blocks past those `num_tokens` tokens need (lookahead blocks of
+        rejected drafts). Never touches cached blocks: they hold computed tokens only."""
+        keep = self.blocks_for(num_tokens)
+        if len(table.blocks) > keep:
+            self.pool.decref(table.blocks[keep:])
+            del table.blocks[keep:]
+
     def commit(self, table: BlockTable, tokens: list[int], num_computed: int) -> None:
         """Publishes the sequence's newly completed blocks (whole blocks of computed tokens) to the
         prefix cache, so that requests arriving later can share them."""

@@ -1,18 +1,21 @@
-"""The built-in demo checkpoint: a tiny Qwen3 model with a byte-level BPE tokenizer, built locally.
+"""The built-in demo checkpoint: a tiny trained Qwen3 model with a byte-level BPE tokenizer.
 
 `demo_model_path()` returns an ordinary Hugging Face folder (config.json, generation_config.json,
 tokenizer.json, tokenizer_config.json, model.safetensors) that every loader in nanoserve, and
-`transformers`, reads like a real checkpoint. It is built on first use from the corpus shipped with
-the package and cached; nothing is downloaded.
+`transformers`, reads like a real checkpoint; `demo_draft_path()` returns the same for its 2-layer
+draft (for speculative decoding). They are built on first use and cached; nothing is downloaded.
+The tokenizer is trained here from the corpus shipped with the package; the weights are the ones
+`scripts/train_demo.py` trained on that corpus and shipped in `demo_weights/` (see docs/demo_model.md).
 
 Invariants:
-- The recipe is deterministic: the same corpus, DEMO_SEED and FORMAT_VERSION give a byte-identical
-  tokenizer.json and identical weights.
+- The recipe is deterministic: the same corpus, shipped weights and FORMAT_VERSION give a
+  byte-identical tokenizer.json and identical weights.
+- The tokenizer built here is byte-identical to the one the weights were trained with: the sha256
+  of its tokenizer.json is recorded in demo_weights/train_log.json and checked at build time.
 - Special tokens come first in the vocabulary, in SPECIAL_TOKENS order (BpeTrainer places them
   there), so their ids are the indices below and do not depend on training.
 - A checkpoint folder only ever appears complete: it is written under a temporary name in the same
-  directory and renamed into place.
-- The weights are random (a later step may train them); the tokenizer follows Qwen2's layout.
+  directory and renamed into place. The tokenizer follows Qwen2's layout.
 """
 
 from __future__ import annotations
@@ -28,17 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-import torch
-from safetensors.torch import save_file
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+
+from nanoserve.model.loader import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-DEMO_SEED = 20240607
 DEMO_VOCAB_SIZE = 4096
-# Bump when anything in the recipe below changes without changing the corpus or the config dict.
-FORMAT_VERSION = 2
+# Bump when anything in the recipe below changes without changing the corpus, configs or weights.
+FORMAT_VERSION = 3
 CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
+WEIGHTS_DIR = Path(__file__).with_name("demo_weights")
+TARGET_WEIGHTS_PATH, DRAFT_WEIGHTS_PATH = WEIGHTS_DIR / "model.safetensors", WEIGHTS_DIR / "draft.safetensors"
+TRAIN_LOG_PATH = WEIGHTS_DIR / "train_log.json"
 
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
@@ -102,17 +107,29 @@ def _training_segments(corpus: str) -> list[str]:
 
 def demo_config_dict(vocab_size: int) -> dict[str, Any]:
     """The demo model's `config.json`: a small Qwen3ForCausalLM with tied embeddings."""
+    return _qwen3_config(vocab_size, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+                         num_kv_heads=2)
+
+
+def demo_draft_config_dict(vocab_size: int) -> dict[str, Any]:
+    """The draft's `config.json`: two layers, same vocabulary and head size as the demo model."""
+    return _qwen3_config(vocab_size, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=4,
+                         num_kv_heads=2)
+
+
+def _qwen3_config(vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+                  num_kv_heads: int) -> dict[str, Any]:
+    """A Qwen3ForCausalLM config with head_dim 64, tied embeddings and ChatML's special tokens."""
     rope_theta = 1_000_000.0
-    num_layers = 4
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "vocab_size": vocab_size,
-        "hidden_size": 256,
-        "intermediate_size": 768,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
         "head_dim": 64,
         "hidden_act": "silu",
         "max_position_embeddings": 4096,
@@ -160,58 +177,58 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
-def _random_weights(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """HF-named bf16 tensors drawn in a fixed order from a generator seeded with DEMO_SEED:
-    N(0, 0.02) for matrices, ones for norms. Tied embeddings: no lm_head.weight."""
-    gen = torch.Generator().manual_seed(DEMO_SEED)
-    h, d, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
-    shapes["model.norm.weight"] = (h,)
-    return {
-        name: (torch.ones(shape) if len(shape) == 1 else torch.empty(shape).normal_(0.0, 0.02, generator=gen))
-        .to(torch.bfloat16)
-        for name, shape in shapes.items()
-    }
+def tokenizer_sha256(tok: tokenizers.Tokenizer) -> str:
+    """sha256 of the exact tokenizer.json bytes that the checkpoint folders hold for `tok`."""
+    return hashlib.sha256(_tokenizer_json(tok)).hexdigest()
 
 
-def write_demo_checkpoint(path: Path) -> Path:
-    """Builds the demo checkpoint at `path` and returns it.
+def _tokenizer_json(tok: tokenizers.Tokenizer) -> bytes:
+    return tok.to_str(pretty=True).encode("utf-8")
 
-    Everything is written to a temporary sibling directory that is then renamed to `path`, so `path`
-    is either absent, empty, or complete. Raises FileExistsError (and leaves `path` alone) if
-    `path` is already a non-empty directory, e.g. because another process won the race.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+
+def _checked_tokenizer() -> tokenizers.Tokenizer:
+    """The demo tokenizer, built from the corpus and checked against the one the shipped weights were
+    trained with (its sha256 is in train_log.json). Raises ModelLoadError with the remedy if not."""
     tok = train_demo_tokenizer()
     for i, special in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(special) == i, f"{special} must have id {i}"
-    cfg = demo_config_dict(tok.get_vocab_size(with_added_tokens=True))
+    try:
+        trained = json.loads(TRAIN_LOG_PATH.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"the demo weights' {TRAIN_LOG_PATH.name} is missing from {WEIGHTS_DIR}; "
+                             "run `python scripts/train_demo.py` to train them") from None
+    built = tokenizer_sha256(tok)
+    if built != trained["tokenizer_sha256"]:
+        raise ModelLoadError(
+            f"the demo tokenizer built from {CORPUS_PATH.name} (sha256 {built[:12]}, tokenizers "
+            f"{tokenizers.__version__}) is not the one the shipped demo weights were trained with (sha256 "
+            f"{trained['tokenizer_sha256'][:12]}, tokenizers {trained['versions']['tokenizers']}); install that "
+            "tokenizers version or retrain with `python scripts/train_demo.py`")
+    return tok
+
+
+def write_demo_checkpoint(path: Path, draft: bool = False) -> Path:
+    """Builds the demo checkpoint (or, with `draft`, its 2-layer draft) at `path` and returns it.
+
+    Everything is written to a temporary sibling directory that is then renamed to `path`, so `path`
+    is either absent, empty, or complete. Raises FileExistsError (and leaves `path` alone) if
+    `path` is already a non-empty directory, e.g. because another process won the race, and
+    ModelLoadError if the shipped weights are missing or were trained with another tokenizer.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok = _checked_tokenizer()
+    weights = DRAFT_WEIGHTS_PATH if draft else TARGET_WEIGHTS_PATH
+    make_config = demo_draft_config_dict if draft else demo_config_dict
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer.json").write_bytes(_tokenizer_json(tok))
         _write_json(tmp / "tokenizer_config.json", _tokenizer_config())
-        _write_json(tmp / "config.json", cfg)
+        _write_json(tmp / "config.json", make_config(tok.get_vocab_size(with_added_tokens=True)))
         generation = {"bos_token_id": None, "eos_token_id": [IM_END_ID, END_OF_TEXT_ID],
                       "pad_token_id": END_OF_TEXT_ID}
         _write_json(tmp / "generation_config.json", generation)
-        save_file(_random_weights(cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copyfile(weights, tmp / "model.safetensors")
         for file in tmp.iterdir():
             file.chmod(0o644)
         tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary, shareable folder
@@ -230,26 +247,39 @@ def demo_model_path(cache_dir: Path | None = None) -> Path:
     """The cached demo checkpoint folder, built on first use.
 
     `cache_dir` defaults to $NANOSERVE_CACHE, else ~/.cache/nanoserve. The folder name carries a
-    hash of the corpus, the config and FORMAT_VERSION, so a changed recipe is built afresh beside
-    the old one. Safe when several processes race: the loser discards its copy and uses the winner's.
+    hash of the corpus, the config, the shipped weights and FORMAT_VERSION, so a changed recipe is
+    built afresh beside the old one. Safe when several processes race: the loser discards its copy
+    and uses the winner's.
     """
+    return _cached_checkpoint(cache_dir, draft=False)
+
+
+def demo_draft_path(cache_dir: Path | None = None) -> Path:
+    """The cached folder of the demo model's 2-layer draft (for speculative decoding), built on first
+    use; same tokenizer files as `demo_model_path()`, otherwise as described there."""
+    return _cached_checkpoint(cache_dir, draft=True)
+
+
+def _cached_checkpoint(cache_dir: Path | None, draft: bool) -> Path:
     if cache_dir is None:
         cache_dir = Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
-    path = Path(cache_dir) / f"demo-qwen3-{_recipe_hash()}"
+    kind = "demo-draft-qwen3" if draft else "demo-qwen3"
+    path = Path(cache_dir) / f"{kind}-{_recipe_hash(draft)}"
     if path.is_dir():
         return path
-    log.info("building the demo model at %s (first use)", path)
+    log.info("building the %s model at %s (first use)", kind, path)
     with contextlib.suppress(FileExistsError):  # another process built it first
-        write_demo_checkpoint(path)
+        write_demo_checkpoint(path, draft=draft)
     return path
 
 
-def _recipe_hash() -> str:
-    """Short hash of everything that determines the demo checkpoint's content."""
+def _recipe_hash(draft: bool) -> str:
+    """Short hash of everything that determines a demo checkpoint's content."""
     digest = hashlib.sha256()
     digest.update(CORPUS_PATH.read_bytes())
-    recipe = {"config": demo_config_dict(DEMO_VOCAB_SIZE), "seed": DEMO_SEED, "format": FORMAT_VERSION,
-              "tokenizers": tokenizers.__version__}
+    digest.update((DRAFT_WEIGHTS_PATH if draft else TARGET_WEIGHTS_PATH).read_bytes())
+    make_config = demo_draft_config_dict if draft else demo_config_dict
+    recipe = {"config": make_config(DEMO_VOCAB_SIZE), "format": FORMAT_VERSION, "tokenizers": tokenizers.__version__}
     digest.update(json.dumps(recipe, sort_keys=True).encode())
     return digest.hexdigest()[:12]
 

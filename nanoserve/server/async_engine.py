@@ -27,6 +27,7 @@ from typing import Any
 
 from nanoserve.engine.llm_engine import KVStats, LLMEngine, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class EngineSnapshot:
     kv: KVStats
     prompt_tokens: int
     generation_tokens: int
+    spec: SpecStats
 
 
 @dataclass(slots=True)
@@ -256,7 +258,7 @@ class AsyncEngine:
         running = {r.request_id for r in sched.running}
         waiting = {r.request_id for r in sched.waiting} - running
         snap = EngineSnapshot(len(running), len(waiting), engine.kv_stats(), engine.num_prompt_tokens,
-                              engine.num_generated_tokens)
+                              engine.num_generated_tokens, dataclasses.replace(engine.spec_stats))
         with self._lock:
             self._handed_off -= applied_adds
             self._waiting = len(waiting)

@@ -48,8 +48,19 @@ class Metrics:
                              buckets=_REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("nanoserve:request_queue_time_seconds", "Time from arrival to scheduling",
                                     buckets=_REQUEST_BUCKETS, registry=r)
-        self._mirrored = (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits)
-        self._last = (0, 0, 0, 0)
+        self.spec_proposed = Counter("nanoserve:spec_decode_num_draft_tokens",
+                                     "Draft tokens proposed for verification", registry=r)
+        self.spec_accepted = Counter("nanoserve:spec_decode_num_accepted_tokens",
+                                     "Draft tokens the target accepted", registry=r)
+        self.spec_verifications = Counter("nanoserve:spec_decode_num_verifications",
+                                          "Sequence steps that verified drafts", registry=r)
+        self.spec_acceptance = Gauge("nanoserve:spec_decode_acceptance_rate",
+                                     "Accepted / proposed draft tokens since start", registry=r)
+        self.spec_mean_length = Gauge("nanoserve:spec_decode_mean_accepted_length",
+                                      "Tokens per verification (accepted drafts + 1) since start", registry=r)
+        self._mirrored = (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                          self.spec_proposed, self.spec_accepted, self.spec_verifications)
+        self._last = (0,) * len(self._mirrored)
 
     def update_engine(self, snap: EngineSnapshot) -> None:
         """Engine thread only: publishes the engine's state after one loop iteration."""
@@ -57,7 +68,11 @@ class Metrics:
         self.waiting.set(snap.num_waiting)
         self.kv_usage.set(snap.kv.blocks_used / snap.kv.blocks_total if snap.kv.blocks_total else 0.0)
         kv = snap.kv
-        now = (snap.prompt_tokens, snap.generation_tokens, kv.prefix_queried_tokens, kv.prefix_hit_tokens)
+        spec = snap.spec
+        now = (snap.prompt_tokens, snap.generation_tokens, kv.prefix_queried_tokens, kv.prefix_hit_tokens,
+               spec.proposed, spec.accepted, spec.verifications)
+        self.spec_acceptance.set(spec.acceptance_rate)
+        self.spec_mean_length.set(spec.mean_accepted_length)
         for counter, new, old in zip(self._mirrored, now, self._last, strict=True):
             counter.inc(new - old)
         self._last = now

@@ -1,0 +1,198 @@
+"""The machine's rooflines, measured with torch in the run's dtype and thread count, and the
+fraction of each that a run reached.
+
+- GEMM peak (FLOP/s): the best of two `F.linear` products (nn.Linear's [out, in] weight layout,
+  the one the model uses), [1024, 1024] x [1024, 1024] and one shaped like batched decode,
+  [64, hidden] x [hidden, 3 x hidden], in the dtype. For a dtype other than fp32 the fp32 peak is
+  measured too: on a CPU without native bf16 (AVX2) torch's bf16 GEMM is several times slower than
+  its fp32 one, while a kernel that widens bf16 to fp32 on the fly (llama.cpp's) can approach the
+  fp32 peak, so that is the hardware's ceiling for bf16 weights there.
+- Memory bandwidth (bytes/s): reading a 256 MiB buffer (`sum` over fp32, well past the caches).
+- Mat-vec bandwidth (bytes/s): `F.linear` of one row against a 64 MiB weight in the dtype, bytes
+  of the weight per second: what torch's own kernel reaches on the single-stream decode pattern.
+
+Batch-1 decode reads every weight once per token, so tokens/s x weight bytes <= bandwidth;
+large-batch decode does 2 x params FLOPs per token, so tokens/s x 2 x params <= peak FLOP/s.
+`RunStats` rows report both fractions for their decode steps (bytes once per step, whatever
+the batch) and the compute fraction of their prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model.config import ModelConfig
+
+_BANDWIDTH_BYTES = 256 << 20
+_MATVEC_BYTES = 64 << 20
+
+
+def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, max_reps: int = 50) -> float:
+    """Fastest of repeated calls (after one warm-up), repeated until `min_time` has passed."""
+    fn()
+    best, spent, reps = float("inf"), 0.0, 0
+    while (spent < min_time or reps < 3) and reps < max_reps:
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+        best, spent, reps = min(best, seconds), spent + seconds, reps + 1
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """Measured ceilings of this machine for `dtype` at `threads` torch threads."""
+
+    dtype: str
+    threads: int
+    gemm_flops: float  # FLOP/s, best GEMM in dtype
+    bandwidth: float  # bytes/s, streaming read
+    matvec_bandwidth: float  # bytes/s of weight through F.linear with one row
+    fp32_gemm_flops: float  # FLOP/s, best GEMM in fp32 (the same as gemm_flops for fp32)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        fp32 = "" if self.dtype == "float32" else f" (fp32: {self.fp32_gemm_flops / 1e9:.1f})"
+        return (f"roofline ({self.dtype}, {self.threads} threads): GEMM peak {self.gemm_flops / 1e9:.1f} GFLOP/s"
+                f"{fp32}, memory read {self.bandwidth / 1e9:.1f} GB/s, torch mat-vec "
+                f"{self.matvec_bandwidth / 1e9:.1f} GB/s")
+
+
+def gemm_peak(dtype: torch.dtype, hidden: int, min_time: float) -> float:
+    """Best FLOP/s of `F.linear` in `dtype`: [1024, 1024] x [1024, 1024] and [64, hidden] x
+    [hidden, 3 hidden]."""
+    best = 0.0
+    for m, k, n in ((1024, 1024, 1024), (64, hidden, 3 * hidden)):
+        x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+        best = max(best, 2 * m * k * n / _best_seconds(lambda x=x, w=w: F.linear(x, w), min_time))
+    return best
+
+
+@torch.inference_mode()
+def measure_roofline(dtype: torch.dtype, hidden: int = 1024, min_time: float = 0.3) -> Roofline:
+    """Measures the GEMM peak in `dtype` (and in fp32), the streaming read bandwidth and torch's
+    mat-vec bandwidth in `dtype`."""
+    peak = gemm_peak(dtype, hidden, min_time)
+    fp32_peak = peak if dtype == torch.float32 else gemm_peak(torch.float32, hidden, min_time)
+    buf = torch.ones(_BANDWIDTH_BYTES // 4)
+    bandwidth = _BANDWIDTH_BYTES / _best_seconds(buf.sum, min_time)
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = _MATVEC_BYTES // elem // 4096
+    mat = torch.randn(rows, 4096).to(dtype)
+    vec = torch.randn(1, 4096).to(dtype)
+    matvec = _MATVEC_BYTES / _best_seconds(lambda: F.linear(vec, mat), min_time)
+    return Roofline(str(dtype).removeprefix("torch."), torch.get_num_threads(), peak, bandwidth, matvec, fp32_peak)
+
+
+def decode_params(cfg: ModelConfig) -> int:
+    """Parameters a decode step reads and multiplies: all of them, less an untied input embedding
+    (only one row of it is read per token; the LM head is read whole)."""
+    return cfg.num_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineFractions:
+    """One run's position under the rooflines. Bandwidth: decode steps/s x weight bytes (a step
+    reads every weight once; at batch 1 this is decode tok/s x weight bytes). Compute: tok/s x 2
+    x params, for decode and for prefill."""
+
+    decode_bandwidth: float
+    decode_compute: float
+    prefill_compute: float
+    decode_compute_fp32: float  # decode against the fp32 GEMM peak (see the module docstring)
+
+
+def fractions(roof: Roofline, params: int, weight_bytes: int, decode_steps_per_s: float,
+              decode_tokens_per_s: float, prefill_tokens_per_s: float) -> RooflineFractions:
+    return RooflineFractions(decode_steps_per_s * weight_bytes / roof.bandwidth,
+                             decode_tokens_per_s * 2 * params / roof.gemm_flops,
+                             prefill_tokens_per_s * 2 * params / roof.gemm_flops,
+                             decode_tokens_per_s * 2 * params / roof.fp32_gemm_flops)
+
+
+class DecodeRates(Protocol):
+    """What the roofline table reads from a run (`nanoserve.bench.throughput.RunStats`)."""
+
+    label: str
+
+    @property
+    def decode_steps_per_s(self) -> float: ...
+
+    @property
+    def decode_tokens_per_s(self) -> float: ...
+
+    @property
+    def decode_batch(self) -> float: ...
+
+    @property
+    def prefill_tokens_per_s(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineReport:
+    """The rooflines plus the model's decode parameters and their bytes in the run's dtype."""
+
+    roofline: Roofline
+    params: int
+    weight_bytes: int
+
+    @classmethod
+    def of(cls, roofline: Roofline, cfg: ModelConfig, dtype: torch.dtype) -> RooflineReport:
+        params = decode_params(cfg)
+        return cls(roofline, params, params * torch.empty((), dtype=dtype).element_size())
+
+    def fractions(self, run: DecodeRates) -> RooflineFractions:
+        return fractions(self.roofline, self.params, self.weight_bytes, run.decode_steps_per_s,
+                         run.decode_tokens_per_s, run.prefill_tokens_per_s)
+
+    def describe(self) -> list[str]:
+        return [self.roofline.describe(), f"weights read per decode step: {self.params / 1e6:.1f}M params, "
+                f"{self.weight_bytes / 1e9:.3f} GB"]
+
+    def table(self, runs: Sequence[DecodeRates]) -> tuple[list[str], list[list[str]]]:
+        """Headers and rows: prefill and decode rates and the fraction of each roofline."""
+        fp32 = self.roofline.dtype != "float32"
+        headers = ["run", "prefill tok/s", "decode tok/s", "decode batch", "decode % bandwidth",
+                   "decode % GEMM peak", *(["decode % fp32 peak"] if fp32 else []), "prefill % GEMM peak"]
+        rows = []
+        for r in runs:
+            f = self.fractions(r)
+            rows.append([r.label, _rate(r.prefill_tokens_per_s), _rate(r.decode_tokens_per_s),
+                         _rate(r.decode_batch), _pct(f.decode_bandwidth), _pct(f.decode_compute),
+                         *([_pct(f.decode_compute_fp32)] if fp32 else []), _pct(f.prefill_compute)])
+        return headers, rows
+
+    def serving_table(self, runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+        """Headers and rows for load-test summaries (`bench serve`): every token the server computed
+        (prompt and output) against the GEMM peak; 1 / median TPOT, one decode step of a stream
+        per weight read, against the bandwidth."""
+        headers = ["run", "total tok/s", "% GEMM peak", "1/TPOT p50 (steps/s)", "% bandwidth"]
+        rows = []
+        for r in runs:
+            tpot = r.get("tpot_ms", {}).get("p50", 0.0)
+            steps = 1000.0 / tpot if tpot else 0.0
+            name = f"{r['label']} c={r.get('max_concurrency') or '-'}" if "peer" not in r else r["label"]
+            rows.append([name, _rate(r["total_tokens_per_s"]),
+                         _pct(r["total_tokens_per_s"] * 2 * self.params / self.roofline.gemm_flops),
+                         _rate(steps), _pct(steps * self.weight_bytes / self.roofline.bandwidth)])
+        return headers, rows
+
+    def to_dict(self, runs: Sequence[DecodeRates]) -> dict[str, Any]:
+        return {**self.roofline.to_dict(), "decode_params": self.params, "weight_bytes": self.weight_bytes,
+                "runs": {r.label: asdict(self.fractions(r)) for r in runs}}
+
+
+def _rate(x: float) -> str:
+    return f"{x:.1f}" if x else "-"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}" if x else "-"

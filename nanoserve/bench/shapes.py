@@ -1,0 +1,150 @@
+"""`--model-shape` presets: random-weight checkpoints with the exact shapes of real models.
+
+`shape_checkpoint("qwen3-0.6b")` writes (once, under $NANOSERVE_CACHE) an ordinary Hugging Face
+folder whose config.json is the real model's (layers, widths, heads, head_dim, rope, tied
+embeddings and the real vocab_size), with random weights (normal, std = initializer_range;
+norms 1) stored in bf16 as the real checkpoints are, and the demo model's tokenizer. Throughput
+then matches the real model's without downloading it: every matrix has its real shape, the LM head
+included. The demo tokenizer's vocabulary is small, so prompts use only its ids (the engine also
+samples only ids below the tokenizer's vocabulary); the special-token ids in the config are the
+demo tokenizer's. `overrides` replace config fields (for a quick check at a tiny size).
+
+Invariants: the same preset, overrides and seed give identical files; a folder only ever appears
+complete (written under a temporary name and renamed into place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from nanoserve.model.config import ModelConfig
+
+_COMMON: dict[str, Any] = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02,
+                           "use_cache": True, "torch_dtype": "bfloat16", "bos_token_id": None}
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-0.6B config.json (596M parameters).
+    "qwen3-0.6b": {**_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+                   "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 40960, "max_window_layers": 28, "rms_norm_eps": 1e-6,
+                   "rope_theta": 1000000.0, "rope_scaling": None, "attention_bias": False,
+                   "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": True},
+    # meta-llama/Llama-3.2-1B config.json (1.24B parameters).
+    "llama-3.2-1b": {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+                     "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+                     "tie_word_embeddings": True},
+}
+FORMAT_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def shape_config(name: str, overrides: dict[str, Any] | None = None,
+                 eos_token_id: int | None = None) -> dict[str, Any]:
+    """The preset's config.json with `overrides` applied (and the tokenizer's EOS id)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(PRESETS)}")
+    config = {**PRESETS[name], **(overrides or {})}
+    if eos_token_id is not None:
+        config["eos_token_id"] = eos_token_id
+    ModelConfig.from_hf_dict(config)  # fails early on an override the decoder cannot run
+    return config
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` strings to a dict; values are JSON (numbers, true/false, null) or plain strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--shape-override needs KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def random_weights(config: dict[str, Any], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, bf16 tensor) for every parameter of the config, in checkpoint order."""
+    cfg = ModelConfig.from_hf_dict(config)
+    gen = torch.Generator().manual_seed(seed)
+    std = float(config.get("initializer_range", 0.02))
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    yield "model.embed_tokens.weight", normal(cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", ones(h)
+        for proj, rows in (("q", cfg.num_attention_heads * d), ("k", cfg.num_key_value_heads * d),
+                           ("v", cfg.num_key_value_heads * d)):
+            yield p + f"self_attn.{proj}_proj.weight", normal(rows, h)
+            if cfg.attention_bias:
+                yield p + f"self_attn.{proj}_proj.bias", normal(rows)
+        yield p + "self_attn.o_proj.weight", normal(h, cfg.num_attention_heads * d)
+        if cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight", ones(d)
+            yield p + "self_attn.k_norm.weight", ones(d)
+        yield p + "post_attention_layernorm.weight", ones(h)
+        yield p + "mlp.gate_proj.weight", normal(inter, h)
+        yield p + "mlp.up_proj.weight", normal(inter, h)
+        yield p + "mlp.down_proj.weight", normal(h, inter)
+    yield "model.norm.weight", ones(h)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", normal(cfg.vocab_size, h)
+
+
+def shape_checkpoint(name: str, overrides: dict[str, Any] | None = None, seed: int = 0,
+                     cache_dir: Path | None = None, tokenizer_dir: Path | None = None) -> Path:
+    """The cached folder of preset `name` (with `overrides`), written on first use. The tokenizer
+    files come from `tokenizer_dir` (default: the demo model's folder)."""
+    if tokenizer_dir is None:
+        from nanoserve.model.demo import demo_model_path
+
+        tokenizer_dir = demo_model_path()
+    tok_cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    eos = next((int(i) for i, t in tok_cfg.get("added_tokens_decoder", {}).items()
+                if t["content"] == tok_cfg.get("eos_token")), None)
+    config = shape_config(name, overrides, eos)
+    digest = hashlib.sha256(json.dumps([config, seed, FORMAT_VERSION], sort_keys=True).encode())
+    for f in _TOKENIZER_FILES:
+        digest.update((tokenizer_dir / f).read_bytes())
+    if cache_dir is None:
+        cache_dir = Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+    path = Path(cache_dir) / f"shape-{name}-{digest.hexdigest()[:12]}"
+    if path.is_dir():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for f in _TOKENIZER_FILES:
+            shutil.copyfile(tokenizer_dir / f, tmp / f)
+        save_file(dict(random_weights(config, seed)), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tmp.chmod(0o755)
+        with contextlib.suppress(OSError):  # another process finished first: keep its copy
+            os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

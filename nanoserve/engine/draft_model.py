@@ -1,0 +1,96 @@
+"""Draft-model proposer for speculative decoding: a smaller model sharing the target's tokenizer.
+
+The draft keeps its own paged KV (its own pool and a block table per sequence) and a shadow
+`Request` per target sequence. Each proposal first feeds the shadow whatever target tokens it has
+not computed (the whole prompt the first time; afterwards the target's last accepted tokens), then
+runs one single-token step per further draft, all sequences batched in each pass. Drafts are drawn
+from the draft's own sampling distribution q (same parameters as the request), and q is returned
+so the target can verify by rejection sampling.
+
+Invariant: a shadow's K/V is valid for its first `num_computed_tokens` tokens, which always agree
+with the target sequence: after verification it is cut back to the tokens the target kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
+from nanoserve.engine.request import Request
+from nanoserve.engine.sampler import inverse_cdf, sampling_probs
+from nanoserve.engine.scheduler import StepPlan
+from nanoserve.engine.spec_decode import Proposal
+from nanoserve.kv.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class _Shadow:
+    seq: Request  # the draft-side sequence: its table, all_token_ids and num_computed_tokens
+    base: int  # the target's length when the last drafts were proposed
+    generator: torch.Generator | None
+
+
+class DraftModelProposer:
+    def __init__(self, model: Model, kv_shape: KVShape, num_blocks: int, block_size: int, vocab_size: int,
+                 device: torch.device) -> None:
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, kv_shape, num_blocks, block_size, vocab_size, frozenset(), device)
+        self.vocab_size = vocab_size
+        self.device = device
+        self._shadows: dict[tuple[str, int], _Shadow] = {}
+
+    def propose(self, requests: list[Request], budgets: list[int]) -> list[Proposal]:
+        active: list[tuple[Request, _Shadow, int]] = []
+        for req, k in zip(requests, budgets, strict=True):
+            shadow = self._shadow(req)
+            shadow.seq.all_token_ids = list(req.all_token_ids)
+            shadow.base = req.num_tokens
+            # K/V up to the last draft but one: the last draft is only proposed, never fed.
+            if self.kv.allocate(shadow.seq.table, req.num_tokens + k - 1):
+                active.append((req, shadow, k))
+            else:
+                self.release(req)
+        drafts: dict[Request, list[int]] = {req: [] for req, _, _ in active}
+        dists: dict[Request, list[torch.Tensor]] = {req: [] for req, _, _ in active}
+        step = 0
+        while active:
+            # Single-token sequences first, as attention expects; logits rows follow the plan.
+            active.sort(key=lambda a: a[1].seq.num_tokens - a[1].seq.num_computed_tokens > 1)
+            plan = StepPlan([(s.seq, s.seq.num_tokens - s.seq.num_computed_tokens) for _, s, _ in active])
+            logits, _, _ = self.runner.forward(plan)
+            for row, (req, shadow, _) in enumerate(active):
+                shadow.seq.num_computed_tokens = shadow.seq.num_tokens
+                q = sampling_probs(logits[row : row + 1], req.params, self.vocab_size)
+                u = torch.rand(1, generator=shadow.generator, device=q.device)
+                token = int(inverse_cdf(q, u)[0])
+                drafts[req].append(token)
+                dists[req].append(q[0])
+                shadow.seq.all_token_ids.append(token)
+            step += 1
+            active = [a for a in active if a[2] > step]
+        return [Proposal(drafts[r], None if r.params.greedy else torch.stack(dists[r])) if r in drafts
+                else Proposal([], None) for r in requests]
+
+    def accepted(self, req: Request, num_accepted: int) -> None:
+        shadow = self._shadows.get(req.key)
+        if shadow is not None:  # its K/V after the accepted drafts belongs to rejected tokens
+            seq = shadow.seq
+            seq.num_computed_tokens = min(seq.num_computed_tokens, shadow.base + num_accepted)
+
+    def release(self, req: Request) -> None:
+        shadow = self._shadows.pop(req.key, None)
+        if shadow is not None:
+            self.kv.free(shadow.seq.table, shadow.seq.all_token_ids, 0)
+
+    def _shadow(self, req: Request) -> _Shadow:
+        shadow = self._shadows.get(req.key)
+        if shadow is None:
+            p = req.params
+            gen = None
+            if p.seed is not None and not p.greedy:  # its own stream, apart from the target's
+                gen = torch.Generator(self.device).manual_seed((p.seed + req.index + 1) % 2**64)
+            seq = Request(req.request_id, [], p, 0, index=req.index)
+            shadow = self._shadows[req.key] = _Shadow(seq, 0, gen)
+        return shadow
