@@ -216,7 +216,7 @@ def plot_losses(log: dict[str, Any], path: Path) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="target model optimizer steps")
+    parser.add_argument("--steps", type=int, default=600, help="target model optimizer steps")
     parser.add_argument("--draft-steps", type=int, default=300, help="draft model optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)

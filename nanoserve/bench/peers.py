@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import math
 import os
 import time
@@ -213,6 +214,7 @@ def run_llama_cpp_batched(gguf: Path, workload: Workload, batch_size: int, threa
     import llama_cpp as lc
     import numpy as np
 
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
     n, outs, budget = len(workload.prompts), workload.output_lens, 2048
     longest = max(len(p) + m for p, m in zip(workload.prompts, outs, strict=True))
     model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def plot_throughput(runs: list[dict[str, Any]], peers: list[dict[str, Any]], pat
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("concurrent requests (peers: batch size)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -96,10 +97,13 @@ def plot_ttft(runs: list[dict[str, Any]], peers: list[dict[str, Any]], path: Pat
     for label, points in series.items():
         xs, ys = zip(*sorted(points), strict=True)
         ax.plot(xs, ys, marker="o", linestyle="--" if "queue model" in label else "-", label=label)
+    ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ticks = sorted(requests)
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_xlabel("request rate (requests/s, Poisson)")
     ax.set_ylabel("median TTFT (ms)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -7,7 +7,9 @@ fraction of each that a run reached.
   measured too: on a CPU without native bf16 (AVX2) torch's bf16 GEMM is several times slower than
   its fp32 one, while a kernel that widens bf16 to fp32 on the fly (llama.cpp's) can approach the
   fp32 peak, so that is the hardware's ceiling for bf16 weights there.
-- Memory bandwidth (bytes/s): reading a 256 MiB buffer (`sum` over fp32, well past the caches).
+- Memory bandwidth (bytes/s): the faster of two reads of 256 MiB of fp32 (well past the caches):
+  `sum`, and `F.linear` of one row against it (a mat-vec streams its matrix; with one thread it
+  reads faster than `sum`, whose adds then limit it).
 - Mat-vec bandwidth (bytes/s): `F.linear` of one row against a 64 MiB weight in the dtype, bytes
   of the weight per second: what torch's own kernel reaches on the single-stream decode pattern.
 
@@ -19,6 +21,7 @@ the batch) and the compute fraction of their prefill.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -52,7 +55,7 @@ class Roofline:
     dtype: str
     threads: int
     gemm_flops: float  # FLOP/s, best GEMM in dtype
-    bandwidth: float  # bytes/s, streaming read
+    bandwidth: float  # bytes/s, best streaming read
     matvec_bandwidth: float  # bytes/s of weight through F.linear with one row
     fp32_gemm_flops: float  # FLOP/s, best GEMM in fp32 (the same as gemm_flops for fp32)
 
@@ -83,7 +86,9 @@ def measure_roofline(dtype: torch.dtype, hidden: int = 1024, min_time: float = 0
     peak = gemm_peak(dtype, hidden, min_time)
     fp32_peak = peak if dtype == torch.float32 else gemm_peak(torch.float32, hidden, min_time)
     buf = torch.ones(_BANDWIDTH_BYTES // 4)
-    bandwidth = _BANDWIDTH_BYTES / _best_seconds(buf.sum, min_time)
+    row = torch.ones(1, 4096)
+    read = min(_best_seconds(buf.sum, min_time), _best_seconds(lambda: F.linear(row, buf.view(-1, 4096)), min_time))
+    bandwidth = _BANDWIDTH_BYTES / read
     elem = torch.empty((), dtype=dtype).element_size()
     rows = _MATVEC_BYTES // elem // 4096
     mat = torch.randn(rows, 4096).to(dtype)
@@ -171,17 +176,18 @@ class RooflineReport:
         return headers, rows
 
     def serving_table(self, runs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-        """Headers and rows for load-test summaries (`bench serve`): every token the server computed
-        (prompt and output) against the GEMM peak; 1 / median TPOT, one decode step of a stream
-        per weight read, against the bandwidth."""
-        headers = ["run", "total tok/s", "% GEMM peak", "1/TPOT p50 (steps/s)", "% bandwidth"]
+        """Headers and rows for load-test summaries (`bench serve`): the tokens the server computed
+        per second (prompt tokens not served from the prefix cache, and output) against the GEMM
+        peak; 1 / median TPOT, one decode step of a stream per weight read, against the bandwidth."""
+        headers = ["run", "computed tok/s", "% GEMM peak", "1/TPOT p50 (steps/s)", "% bandwidth"]
         rows = []
         for r in runs:
+            computed = r["total_tokens_per_s"] - r.get("cached_tokens", 0) / (r["duration_s"] or math.inf)
             tpot = r.get("tpot_ms", {}).get("p50", 0.0)
             steps = 1000.0 / tpot if tpot else 0.0
-            name = f"{r['label']} c={r.get('max_concurrency') or '-'}" if "peer" not in r else r["label"]
-            rows.append([name, _rate(r["total_tokens_per_s"]),
-                         _pct(r["total_tokens_per_s"] * 2 * self.params / self.roofline.gemm_flops),
+            point = f" c={r['max_concurrency'] or '-'} r={r['request_rate']:g}" if "peer" not in r else ""
+            name = r["label"] + point
+            rows.append([name, _rate(computed), _pct(computed * 2 * self.params / self.roofline.gemm_flops),
                          _rate(steps), _pct(steps * self.weight_bytes / self.roofline.bandwidth)])
         return headers, rows
 
