@@ -219,9 +219,11 @@ def run_llama_cpp_batched(gguf: Path, workload: Workload, batch_size: int, threa
     longest = max(len(p) + m for p, m in zip(workload.prompts, outs, strict=True))
     model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
     cp = lc.llama_context_default_params()
-    # One KV stream per sequence (llama.cpp's default, kv_unified off): each has n_ctx / n_seq_max.
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = longest * batch_size, budget, 512, batch_size
+    # One KV buffer shared by all sequences (kv_unified): with one stream per sequence (the
+    # default) llama.cpp batched 64 decodes no better than one here (6.8 vs 16.3 tok/s).
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = longest * min(batch_size, n), budget, 512, batch_size
     cp.n_threads = cp.n_threads_batch = threads
+    cp.kv_unified = True
     ctx = lc.llama_init_from_model(model, cp)
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     batch = lc.llama_batch_init(budget, 0, 1)
