@@ -24,6 +24,9 @@ _HELP = {
     "speculative_model": "a draft model sharing the tokenizer (folder or .gguf); implies --speculative-method draft",
     "num_speculative_tokens": "drafts verified per step and sequence",
     "attention_backend": "auto (triton on CUDA, torch elsewhere), torch or triton",
+    "gpu_memory_utilization": "CUDA: share of GPU memory for weights, activations and the KV pool (sizes the pool "
+                              "unless --kv-cache-memory or --num-kv-blocks is given)",
+    "enforce_eager": "CUDA: run decode steps eagerly, without CUDA graphs",
 }
 # Fields whose default is None, by the type a given value has.
 _OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int, "num_kv_blocks": int,

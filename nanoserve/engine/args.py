@@ -32,6 +32,8 @@ class EngineArgs:
     speculative_model: str | None = None  # the draft model (implies speculative_method="draft")
     num_speculative_tokens: int = 4
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         if self.kv not in ("paged", "contiguous"):
@@ -48,6 +50,8 @@ class EngineArgs:
             raise ValueError("speculative_model is a draft model; it does not go with speculative_method='ngram'")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
     def spec_method(self) -> str | None:
@@ -65,14 +69,21 @@ class EngineArgs:
             length = limit
         return dataclasses.replace(self, max_model_len=length)
 
-    def resolve_num_blocks(self, bytes_per_block: int) -> int:
-        """Pool size: num_kv_blocks if given, else the memory budget, never more than max_num_seqs
-        full-length sequences need."""
+    def resolve_num_blocks(self, bytes_per_block: int, free_memory: int | None = None) -> int:
+        """Pool size: num_kv_blocks if given, else kv_cache_memory if given, else `free_memory` (on
+        CUDA: what `gpu_memory_utilization` leaves after weights and activations) or 2 GiB, never
+        more than max_num_seqs full-length sequences need."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         assert self.max_model_len is not None
+        if self.kv_cache_memory is not None:
+            what, budget = "kv_cache_memory", self.kv_cache_memory
+        elif free_memory is not None:
+            what, budget = f"the memory gpu_memory_utilization={self.gpu_memory_utilization} leaves", free_memory
+        else:
+            what, budget = "the default KV memory", DEFAULT_KV_CACHE_MEMORY
+        blocks = budget // bytes_per_block
+        if blocks < 1:
+            raise ValueError(f"{what} ({budget} bytes) is smaller than one KV block ({bytes_per_block} bytes)")
         need = self.max_num_seqs * -(-self.max_model_len // self.block_size)
-        budget = (self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // bytes_per_block
-        if budget < 1:
-            raise ValueError(f"kv_cache_memory is smaller than one KV block ({bytes_per_block} bytes)")
-        return min(need, budget) if self.kv_cache_memory is None else budget
+        return blocks if self.kv_cache_memory is not None else min(need, blocks)

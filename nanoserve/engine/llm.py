@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nanoserve.attention import select_backend
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.draft_model import DraftModelProposer
 from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta
+from nanoserve.engine.memory_profile import activation_peak_bytes, kv_budget_bytes
 from nanoserve.engine.model_runner import KVShape
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import NgramProposer, Proposer
-from nanoserve.model import LoadedModel, load_model
+from nanoserve.model import CausalLM, LoadedModel, load_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -54,19 +59,40 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     torch.manual_seed(args.seed)
     vocab = min(cfg.vocab_size, loaded.tokenizer.vocab_size)
     kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    num_blocks = args.resolve_num_blocks(kv_shape.bytes_per_block(args.block_size, loaded.model.dtype))
-    proposer: Proposer | None = None
-    if args.spec_method == "ngram":
-        proposer = NgramProposer()
-    elif args.spec_method == "draft":
-        draft = load_model(args.speculative_model, dtype=loaded.model.dtype, device=args.device)
+    bytes_per_block = kv_shape.bytes_per_block(args.block_size, loaded.model.dtype)
+    device = torch.device(args.device)
+    draft: LoadedModel | None = None
+    if args.spec_method == "draft":
+        draft = load_model(args.speculative_model, dtype=loaded.model.dtype, device=device)
         if draft.tokenizer.backend.get_vocab() != loaded.tokenizer.backend.get_vocab():
             raise ValueError(f"the draft model {args.speculative_model} does not share the target's tokenizer")
         dc = draft.config
-        proposer = DraftModelProposer(draft.model, KVShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim),
-                                      num_blocks, args.block_size, vocab, torch.device(args.device))
+        draft_shape = KVShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim)
+        bytes_per_block += draft_shape.bytes_per_block(args.block_size, loaded.model.dtype)  # the draft's pool too
+    free_memory = None
+    if device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory is None:
+        free_memory = _gpu_kv_memory(loaded.model, kv_shape, args, device)
+    num_blocks = args.resolve_num_blocks(bytes_per_block, free_memory)
+    proposer: Proposer | None = None
+    if args.spec_method == "ngram":
+        proposer = NgramProposer()
+    elif draft is not None:
+        proposer = DraftModelProposer(draft.model, draft_shape, num_blocks, args.block_size, vocab, device)
     return LLMEngine(loaded.model, loaded.tokenizer, kv_shape, vocab, args, loaded.tokenizer.stop_token_ids,
                      proposer, num_blocks)
+
+
+def _gpu_kv_memory(model: CausalLM, kv_shape: KVShape, args: EngineArgs, device: torch.device) -> int:
+    """Bytes for the KV pools on a GPU: `gpu_memory_utilization` of its memory, less what is in use
+    now (weights included) and the activation peak of the largest step (see `memory_profile`)."""
+    assert args.max_model_len is not None
+    peak = activation_peak_bytes(model, kv_shape, args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len,
+                                 args.block_size, select_backend(args.attention_backend, device), device)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = kv_budget_bytes(total, free, peak, args.gpu_memory_utilization)
+    log.info("GPU memory: %.1f GiB total, %.1f GiB in use, activation peak %.2f GiB -> %.1f GiB for KV",
+             total / 2**30, (total - free) / 2**30, peak / 2**30, budget / 2**30)
+    return budget
 
 
 def accumulate(outputs: dict[str, RequestOutput], delta: SequenceDelta) -> None:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.attention import select_backend
+from nanoserve.attention import TritonAttention, select_backend
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
 from nanoserve.engine.output import TextStream
@@ -96,6 +96,11 @@ class LLMEngine:
         self.stop_token_ids = stop_token_ids
         self.runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids,
                                   self.device, select_backend(args.attention_backend, self.device))
+        if self.device.type == "cuda" and not args.enforce_eager:
+            if isinstance(self.runner.backend, TritonAttention):
+                self.runner.use_decode_graphs(kv_shape.num_kv_heads, args.max_num_seqs, args.max_model_len)
+            else:
+                log.info("CUDA graphs need the triton attention backend; decode steps run eagerly")
         self.proposer = proposer
         self.num_speculative_tokens = args.num_speculative_tokens
         self.spec_stats = SpecStats()

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from nanoserve.engine.cuda_graph import DecodeGraphs
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
@@ -64,11 +65,20 @@ class ModelRunner:
         self.kv_cache = torch.zeros(kv_shape.num_layers, 2, num_blocks, block_size, kv_shape.num_kv_heads,
                                     kv_shape.head_dim, dtype=model.dtype, device=device)
         self._generators: dict[tuple[str, int], torch.Generator] = {}
+        self.decode_graphs: DecodeGraphs | None = None  # set by `use_decode_graphs`
+
+    def use_decode_graphs(self, num_kv_heads: int, max_batch_size: int, max_model_len: int) -> None:
+        """Runs decode steps of up to `max_batch_size` sequences through CUDA graphs (see
+        `cuda_graph`), captured now on CUDA; off CUDA the same padded path runs eagerly."""
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, num_kv_heads, max_batch_size, max_model_len,
+                                          self.block_size)
 
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request], list[Request]]:
         """One forward pass over the plan: logits at the rows to sample (see `_prepare`), the plain
         sequences that reached their end, and the sequences with drafts."""
         meta, input_ids, positions, sample_rows, sample_reqs, spec_reqs = self._prepare(plan)
+        if self.decode_graphs is not None and self.decode_graphs.fits(meta, len(sample_reqs)):
+            return self.decode_graphs.run(input_ids, positions, meta), sample_reqs, spec_reqs
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         return self.model.compute_logits(hidden[sample_rows]), sample_reqs, spec_reqs
 
