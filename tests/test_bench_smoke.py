@@ -87,6 +87,9 @@ def test_demo_model_compare_sequential(tmp_path, capsys, demo_dir):
     for run in result["runs"]:
         _assert_nonzero(run)
     assert result["config"]["model"] == str(demo_dir)
+    _, text = _bench(tmp_path, capsys, str(demo_dir), "--num-prompts", "3", "--input-len-range", "4", "12",
+                     "--output-len-range", "4", "6", "--no-roofline", "--profile-steps", "2")
+    assert "profile of 2 steps after admission (3 requests)" in text and "aten::" in text
 
 
 def test_bad_arguments_are_reported():

@@ -159,3 +159,19 @@ def test_interpreted_padding_rows_never_write_kv(make_checkpoint) -> None:
     assert bool((kv[:, :, 3] == 7.0).all())
     hidden = loaded.model(ids[:3], torch.zeros(3, dtype=torch.long), kv.clone(), decode_meta(3), TritonAttention())
     torch.testing.assert_close(logits, loaded.model.compute_logits(hidden), atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_engine_matches_cpu(make_checkpoint) -> None:
+    """`device="cuda"` end to end, KV pool sized from GPU memory, decode through captured graphs
+    (and with enforce_eager, without): fp32 greedy output equals the CPU engine's."""
+    path = str(make_checkpoint("qwen3"))
+    prompts = [[5, 17, 200, 31, 9, 44, 12], list(range(40, 61)), [7, 7, 300, 2]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 7, 3)]
+    common = dict(dtype="float32", max_model_len=64, max_num_seqs=8)
+    ref = [o.outputs[0].token_ids for o in LLM(path, **common).generate(prompts, params)]
+    for eager in (False, True):
+        llm = LLM(path, device="cuda", enforce_eager=eager, **common)
+        assert (llm.engine.runner.decode_graphs is None) == eager
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+        assert llm.engine.kv_stats().blocks_used == 0

@@ -34,15 +34,24 @@ from nanoserve.model.config import ModelConfig
 
 _BANDWIDTH_BYTES = 256 << 20
 _MATVEC_BYTES = 64 << 20
+_CPU = torch.device("cpu")
 
 
-def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, max_reps: int = 50) -> float:
-    """Fastest of repeated calls (after one warm-up), repeated until `min_time` has passed."""
-    fn()
+def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, max_reps: int = 50,
+                  device: torch.device = _CPU) -> float:
+    """Fastest of repeated calls (after one warm-up), repeated until `min_time` has passed; on
+    CUDA each call is timed to its completion."""
+    def timed() -> object:
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out
+
+    timed()
     best, spent, reps = float("inf"), 0.0, 0
     while (spent < min_time or reps < 3) and reps < max_reps:
         start = time.perf_counter()
-        fn()
+        timed()
         seconds = time.perf_counter() - start
         best, spent, reps = min(best, seconds), spent + seconds, reps + 1
     return best
@@ -69,31 +78,34 @@ class Roofline:
                 f"{self.matvec_bandwidth / 1e9:.1f} GB/s")
 
 
-def gemm_peak(dtype: torch.dtype, hidden: int, min_time: float) -> float:
-    """Best FLOP/s of `F.linear` in `dtype`: [1024, 1024] x [1024, 1024] and [64, hidden] x
-    [hidden, 3 hidden]."""
+def gemm_peak(dtype: torch.dtype, hidden: int, min_time: float, device: torch.device = _CPU) -> float:
+    """Best FLOP/s of `F.linear` in `dtype`: [1024, 1024] x [1024, 1024], [64, hidden] x
+    [hidden, 3 hidden], and on CUDA also [8192, 8192] x [8192, 8192] (a GPU needs large tiles)."""
+    shapes = [(1024, 1024, 1024), (64, hidden, 3 * hidden)] + ([(8192, 8192, 8192)] if device.type == "cuda" else [])
     best = 0.0
-    for m, k, n in ((1024, 1024, 1024), (64, hidden, 3 * hidden)):
-        x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
-        best = max(best, 2 * m * k * n / _best_seconds(lambda x=x, w=w: F.linear(x, w), min_time))
+    for m, k, n in shapes:
+        x, w = torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)
+        best = max(best, 2 * m * k * n / _best_seconds(lambda x=x, w=w: F.linear(x, w), min_time, device=device))
     return best
 
 
 @torch.inference_mode()
-def measure_roofline(dtype: torch.dtype, hidden: int = 1024, min_time: float = 0.3) -> Roofline:
-    """Measures the GEMM peak in `dtype` (and in fp32), the streaming read bandwidth and torch's
-    mat-vec bandwidth in `dtype`."""
-    peak = gemm_peak(dtype, hidden, min_time)
-    fp32_peak = peak if dtype == torch.float32 else gemm_peak(torch.float32, hidden, min_time)
-    buf = torch.ones(_BANDWIDTH_BYTES // 4)
-    row = torch.ones(1, 4096)
-    read = min(_best_seconds(buf.sum, min_time), _best_seconds(lambda: F.linear(row, buf.view(-1, 4096)), min_time))
+def measure_roofline(dtype: torch.dtype, hidden: int = 1024, min_time: float = 0.3,
+                     device: torch.device = _CPU) -> Roofline:
+    """Measures, on `device`, the GEMM peak in `dtype` (and in fp32), the streaming read bandwidth
+    and torch's mat-vec bandwidth in `dtype`."""
+    peak = gemm_peak(dtype, hidden, min_time, device)
+    fp32_peak = peak if dtype == torch.float32 else gemm_peak(torch.float32, hidden, min_time, device)
+    buf = torch.ones(_BANDWIDTH_BYTES // 4, device=device)
+    row = torch.ones(1, 4096, device=device)
+    read = min(_best_seconds(buf.sum, min_time, device=device),
+               _best_seconds(lambda: F.linear(row, buf.view(-1, 4096)), min_time, device=device))
     bandwidth = _BANDWIDTH_BYTES / read
     elem = torch.empty((), dtype=dtype).element_size()
     rows = _MATVEC_BYTES // elem // 4096
-    mat = torch.randn(rows, 4096).to(dtype)
-    vec = torch.randn(1, 4096).to(dtype)
-    matvec = _MATVEC_BYTES / _best_seconds(lambda: F.linear(vec, mat), min_time)
+    mat = torch.randn(rows, 4096, device=device).to(dtype)
+    vec = torch.randn(1, 4096, device=device).to(dtype)
+    matvec = _MATVEC_BYTES / _best_seconds(lambda: F.linear(vec, mat), min_time, device=device)
     return Roofline(str(dtype).removeprefix("torch."), torch.get_num_threads(), peak, bandwidth, matvec, fp32_peak)
 
 

@@ -184,6 +184,28 @@ def run_sequential(engine: LLMEngine, workload: Workload, label: str = "sequenti
     return _run(engine, workload, label, [range(i, i + 1) for i in range(len(workload.prompts))])
 
 
+def profile_steps(engine: LLMEngine, workload: Workload, num_steps: int, row_limit: int = 25) -> str:
+    """Where step time goes: torch.profiler (CPU, and CUDA on a GPU) over `num_steps` engine steps
+    taken once no request waits for admission, so mostly decode; the ops by self time (device time
+    on CUDA). The requests are then drained unprofiled."""
+    sch = engine.scheduler
+    _submit(engine, workload, "profile", range(len(workload.prompts)))
+    while sch.waiting:
+        engine.step()
+    cuda = engine.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    steps = 0
+    with torch.profiler.profile(activities=activities) as prof:
+        while steps < num_steps and engine.has_unfinished():
+            engine.step()
+            steps += 1
+    while engine.has_unfinished():
+        engine.step()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                      row_limit=row_limit)
+    return f"profile of {steps} steps after admission ({len(workload.prompts)} requests):\n{table}"
+
+
 def warm_up(engine: LLMEngine, seed: int) -> None:
     """Two short requests (up to 16 + 4 tokens), so that first-call costs stay out of the measurement."""
     rng = random.Random(seed ^ 0x5EED)
@@ -220,6 +242,7 @@ class ThroughputConfig:
     peer_batch_sizes: tuple[int, ...] = ()  # hf-static / hf-cb batch sizes (default: max_num_seqs)
     peer_prompts: int | None = None  # one-at-a-time peers run only this many of the requests
     roofline: bool = True  # measure the machine's rooflines (never for the stand-in)
+    profile_steps: int = 0  # then profile this many steps of the same workload on a fresh engine
 
     def __post_init__(self) -> None:
         if self.compare is not None and self.compare not in COMPARISONS:
@@ -251,6 +274,7 @@ class ThroughputReport:
     compare: str | None = None
     num_peers: int = 0  # the last num_peers runs are peers, compared with runs[0]
     roofline: RooflineReport | None = None
+    profile: str | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -288,6 +312,8 @@ class ThroughputReport:
                       for p in self.runs[-self.num_peers:]]
         if self.roofline is not None:
             lines += ["", *self.roofline.describe(), format_table(*self.roofline.table(self.runs))]
+        if self.profile is not None:
+            lines += ["", self.profile]
         return "\n".join(lines)
 
 
@@ -337,8 +363,13 @@ def run_throughput(cfg: ThroughputConfig) -> ThroughputReport:
         report.runs += peers
         report.num_peers = len(peers)
     if cfg.roofline and not cfg.stand_in:
-        report.roofline = RooflineReport.of(measure_roofline(model.dtype, model.cfg.hidden_size), model.cfg,
-                                            model.dtype)
+        roof = measure_roofline(model.dtype, model.cfg.hidden_size, device=engine.device)
+        report.roofline = RooflineReport.of(roof, model.cfg, model.dtype)
+    if cfg.profile_steps:
+        assert workload is not None
+        engine = make(args)
+        warm_up(engine, args.seed)
+        report.profile = profile_steps(engine, workload, cfg.profile_steps)
     return report
 
 

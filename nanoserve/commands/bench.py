@@ -47,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_peer_args(t)
     t.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
                    help="measure and print the machine's GEMM peak and memory bandwidth, and each run's fraction")
+    t.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="then rerun the workload and print torch.profiler's op table over N steps after admission")
     add_engine_args(t)
     t.set_defaults(func=run)
     _register_serve(kinds)
@@ -91,7 +93,7 @@ def run(ns: argparse.Namespace) -> int:
     ns.model = _shape_model(ns)
     cfg = ThroughputConfig(engine_args_from(ns), ns.num_prompts, tuple(ns.input_len_range),
                            tuple(ns.output_len_range), ns.stand_in, ns.compare, tuple(ns.peers),
-                           tuple(ns.peer_batch_sizes or ()), ns.peer_prompts, ns.roofline)
+                           tuple(ns.peer_batch_sizes or ()), ns.peer_prompts, ns.roofline, ns.profile_steps)
     report = run_throughput(cfg)
     print(report.format())
     _write_json(ns.json, report.to_dict())
