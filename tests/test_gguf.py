@@ -4,6 +4,7 @@ safetensors checkpoint they came from; unsupported files fail with a message tha
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import random
@@ -246,11 +247,103 @@ def test_unsupported_architecture_is_named(exported, tmp_path):
         load_model(bad, dtype=torch.float32)
 
 
-def test_sentencepiece_tokenizer_is_refused_clearly(exported, tmp_path):
+def test_unknown_tokenizer_model_is_refused_clearly(exported, tmp_path):
     _, path = exported("qwen2")
-    bad = _rewrite(path, tmp_path / "spm.gguf", strings={"tokenizer.ggml.model": "llama"})
-    with pytest.raises(UnsupportedModelError, match=r"SentencePiece .* not supported yet"):
+    bad = _rewrite(path, tmp_path / "wpm.gguf", strings={"tokenizer.ggml.model": "bert"})
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF tokenizer model 'bert'"):
         read_gguf(bad)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_gguf(exported, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A SentencePiece BPE model (byte fallback, Llama 2's settings) trained on the demo corpus,
+    and the llama GGUF file rewritten with it as its vocabulary, as llama.cpp's converter stores one
+    (tokens, scores, token types, unk/bos/eos ids)."""
+    import io
+
+    import sentencepiece as spm
+
+    lines = (Path(__file__).parents[1] / "nanoserve/model/demo_corpus.txt").read_text(encoding="utf-8").splitlines()
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines[:20000]), model_writer=proto, vocab_size=800, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+        minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    n = sp.get_piece_size()
+
+    def kind(i: int) -> gguf.TokenType:
+        for test, t in ((sp.is_unknown, gguf.TokenType.UNKNOWN), (sp.is_control, gguf.TokenType.CONTROL),
+                        (sp.is_byte, gguf.TokenType.BYTE), (sp.is_unused, gguf.TokenType.UNUSED)):
+            if test(i):
+                return t
+        return gguf.TokenType.NORMAL
+
+    _, src = exported("llama", vocab_size=n)  # the embedding has one row per piece, as in a real file
+    reader = GGUFReader(src)
+    dst = tmp_path_factory.mktemp("spm") / "llama-spm.gguf"
+    writer = GGUFWriter(dst, "llama")
+    for name, field in reader.fields.items():
+        if name.startswith(("GGUF.", "tokenizer.")) or name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    writer.add_token_scores([sp.get_score(i) for i in range(n)])
+    writer.add_token_types([kind(i) for i in range(n)])
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sp, dst
+
+
+SPM_TEXTS = (*TEXTS, "The capital of France is Paris.", "  x", "a  b   c", " ", "\n", "x\n y")
+
+
+def test_sentencepiece_tokenizer_from_gguf(sentencepiece_gguf):
+    """Encodes as SentencePiece itself does (BOS first, as llama.cpp adds it), decodes back to the
+    text; special tokens in the text are parsed, and the text after one gets its own space prefix."""
+    sp, path = sentencepiece_gguf
+    tok = read_gguf(path).tokenizer
+    assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos_token) == (sp.bos_id(), sp.eos_id(), True)
+    for text in SPM_TEXTS:
+        ids = tok.encode(text)
+        assert ids == [sp.bos_id(), *sp.encode(text)], text
+        assert tok.decode(ids) == sp.decode(ids[1:]) == text
+    assert tok.encode("<s>Hi</s> there", add_special_tokens=False) == [
+        sp.bos_id(), *sp.encode("Hi"), sp.eos_id(), *sp.encode(" there")]
+
+
+def test_sentencepiece_gguf_serves(sentencepiece_gguf):
+    """The model loads with its SentencePiece vocabulary and generates text through it."""
+    from nanoserve import LLM, SamplingParams
+
+    _, path = sentencepiece_gguf
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ids = out[0].outputs[0].token_ids
+    assert len(ids) == 8 and all(0 <= i < 800 for i in ids)
+    assert out[0].outputs[0].text == llm.tokenizer.decode(ids)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is in the bench extra")
+def test_sentencepiece_tokenizer_matches_llama_cpp(sentencepiece_gguf):
+    """llama.cpp tokenizes the same file identically, special tokens in the text included."""
+    import llama_cpp
+
+    _, path = sentencepiece_gguf
+    tok = read_gguf(path).tokenizer
+    ref = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in (*SPM_TEXTS, "x<s>Hi</s> there", "a</s>\nb"):  # (a leading <s>: llama.cpp doubles BOS)
+        if text:
+            assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text
 
 
 def test_unknown_pre_tokenizer_is_refused(exported, tmp_path):

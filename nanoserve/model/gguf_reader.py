@@ -8,8 +8,9 @@ Invariants:
   (up to the file's precision): shapes in torch order (GGUF lists dims in reverse), and the Q/K
   rows of `llama`-architecture files un-permuted from llama.cpp's interleaved rotary layout back to
   the rotate-half layout of `transformers`.
-- The rebuilt tokenizer tokenizes as llama.cpp does for the file's `tokenizer.ggml.pre`; an
-  unknown pre-tokenizer fails rather than silently splitting text differently.
+- The rebuilt tokenizer tokenizes as llama.cpp does: byte-level BPE split by the file's
+  `tokenizer.ggml.pre` (an unknown pre-tokenizer fails rather than silently splitting text
+  differently), or SentencePiece BPE by piece scores (`nanoserve.tokenizer.sentencepiece_bpe`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from nanoserve.model.config import RopeScaling, UnsupportedModelError
 from nanoserve.model.layers import rope_inv_freq
+from nanoserve.tokenizer import sentencepiece_bpe
 from nanoserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -353,39 +355,31 @@ def _generation_eos(meta: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
-    """Rebuilds a byte-level BPE tokenizer from tokens, token types and merges.
+    """Rebuilds the file's tokenizer: byte-level BPE (`tokenizer.ggml.model` "gpt2") from tokens,
+    token types and merges, or SentencePiece BPE ("llama": Llama 2, Mistral) from tokens, scores
+    and token types.
 
     Control tokens (type 3) become special added tokens, user-defined ones (type 4) non-special
     added tokens, as in the tokenizer.json they came from; unused (type 5) padding entries stay out
-    of the vocabulary. No normalizer: llama.cpp applies none (a Qwen2 tokenizer.json has NFC, so
-    non-NFC input can tokenize differently from it, as it does in llama.cpp).
+    of the vocabulary. Byte-level BPE gets no normalizer: llama.cpp applies none (a Qwen2
+    tokenizer.json has NFC, so non-NFC input can tokenize differently from it, as it does in
+    llama.cpp).
     """
     model = meta.get("tokenizer.ggml.model")
-    if model == "llama":
-        raise UnsupportedModelError(
-            "SentencePiece GGUF tokenizers (tokenizer.ggml.model 'llama') are not supported yet"
-        )
-    if model != "gpt2":
-        raise UnsupportedModelError(
-            f"unsupported GGUF tokenizer model {model!r}; nanoserve reads byte-level BPE ('gpt2')"
-        )
-    pre_name = meta.get("tokenizer.ggml.pre", "default")
-    if pre_name not in PRE_TOKENIZERS:
-        raise UnsupportedModelError(
-            f"unsupported GGUF pre-tokenizer {pre_name!r}; nanoserve knows {sorted(PRE_TOKENIZERS)}"
-        )
-    pre = PRE_TOKENIZERS[pre_name]
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    tokens: list[str] = _require(meta, "tokenizer.ggml.tokens")
     types = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    pairs = enumerate(zip(tokens, types, strict=True))
-    vocab = {tok: i for i, (tok, kind) in pairs if kind != TokenType.UNUSED}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    backend.decoder = decoders.ByteLevel()
+    if model == "gpt2":
+        backend, add_bos = _byte_level_bpe(meta, tokens, types)
+    elif model == "llama":
+        backend = sentencepiece_bpe.build(tokens, _require(meta, "tokenizer.ggml.scores"), types,
+                                          meta.get("tokenizer.ggml.unknown_token_id"),
+                                          bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        add_bos = True  # llama.cpp's default for SentencePiece vocabularies
+    else:
+        raise UnsupportedModelError(
+            f"unsupported GGUF tokenizer model {model!r}; nanoserve reads byte-level BPE ('gpt2') "
+            "and SentencePiece BPE ('llama')"
+        )
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                 for i, kind in enumerate(types) if kind == TokenType.CONTROL])
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
@@ -396,7 +390,27 @@ def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
         bos_token=None if bos is None else tokens[bos],
         eos_token=None if eos is None else tokens[eos],
         chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos)),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)),
         extra_stop_token_ids=stop_ids,
         tool_chat_template=meta.get("tokenizer.chat_template.tool_use"),
     )
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[tokenizers.Tokenizer, bool]:
+    """The byte-level BPE model of a "gpt2" vocabulary, split as llama.cpp splits for the file's
+    `tokenizer.ggml.pre`, and that pre-tokenizer's default for adding BOS."""
+    pre_name = meta.get("tokenizer.ggml.pre", "default")
+    if pre_name not in PRE_TOKENIZERS:
+        raise UnsupportedModelError(
+            f"unsupported GGUF pre-tokenizer {pre_name!r}; nanoserve knows {sorted(PRE_TOKENIZERS)}"
+        )
+    pre = PRE_TOKENIZERS[pre_name]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)) if kind != TokenType.UNUSED}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    return backend, pre.add_bos
