@@ -15,6 +15,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
 from nanoserve.server.async_engine import EngineState
 from nanoserve.server.launcher import serve_until_signal
+from nanoserve.server.tool_parsers import PARSER_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="requests allowed to wait for a slot; beyond it the server answers 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
+    p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default="auto",
+                   help="how tool calls appear in the model's output: hermes (<tool_call> JSON, Qwen), llama3_json "
+                        "(Llama 3.x), none, or auto (read from the chat template)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -47,7 +51,7 @@ def run(ns: argparse.Namespace) -> int:
             server.should_exit = True  # nothing to serve: shut down (see the check below)
             raise
 
-    app = build_app(load, ServerConfig(name, ns.api_key, ns.max_queued_requests))
+    app = build_app(load, ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser))
     config = uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=ns.shutdown_timeout,
                             log_level=logging.getLevelName(logging.getLogger().level).lower())
     server = uvicorn.Server(config)

@@ -28,6 +28,7 @@ from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from nanoserve.server.serving import Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
+from nanoserve.server.tool_parsers import PARSER_NAMES
 
 DEMO_MODEL_NAME = "nanoserve-demo"
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -41,6 +42,12 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    tool_call_parser: str = "auto"  # auto (from the chat template), hermes, llama3_json or none
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose one of "
+                             f"{', '.join(PARSER_NAMES)}")
 
 
 def build_app(engine: LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None) -> FastAPI:
@@ -53,7 +60,7 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine], config: ServerConfig 
         loader, name = engine, config.served_model_name or DEMO_MODEL_NAME
     metrics = Metrics()
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics)
-    serving = Serving(async_engine, name)
+    serving = Serving(async_engine, name, config.tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -9,6 +9,7 @@ are checked once, by `SamplingParams.validate`, when `sampling_params` builds th
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,6 +33,31 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -48,11 +74,27 @@ class ChatMessage(BaseModel):
         else:
             content = self.content
         message: dict[str, object] = {**(self.model_extra or {}), "role": self.role, "content": content}
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_decoded_arguments(c) for c in message["tool_calls"]]  # type: ignore[union-attr]
         if self.role == "developer":
             message["role"] = "system"
         if self.name is not None:
             message["name"] = self.name
         return message
+
+
+def _decoded_arguments(call: object) -> object:
+    """An assistant message's tool call with its `function.arguments` JSON text decoded: chat
+    templates (Qwen's, Llama's) write the arguments with `tojson`, which would encode them twice."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise APIError(400, "each tool call of a message needs a `function` object", param="messages")
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"tool call arguments are not valid JSON: {e}", param="messages") from e
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 class _SamplingRequest(BaseModel):
@@ -102,6 +144,19 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def template_tools(self) -> list[dict[str, object]] | None:
+        """The tools to render into the prompt: None without tools or with tool_choice "none".
+        "required" and a named function would need constrained decoding, which nanoserve lacks."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if self.tool_choice not in (None, "auto"):
+            raise APIError(400, "only tool_choice 'auto' and 'none' are supported (forcing a call needs constrained "
+                           "decoding)", param="tool_choice")
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def requested_logprobs(self) -> int | None:
         """Top-k count for the engine: None without `logprobs`, else `top_logprobs` (default 0)."""

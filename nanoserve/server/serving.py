@@ -28,6 +28,7 @@ from nanoserve.server.async_engine import (
     QueueFullError,
 )
 from nanoserve.server.errors import APIError
+from nanoserve.server.tool_parsers import ToolCallParser, parser_factory
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,16 @@ class Serving:
 
     engine: AsyncEngine
     model_name: str
+    tool_call_parser: str = "auto"  # see nanoserve.server.tool_parsers.PARSER_NAMES
+
+    def tool_parser(self, tok: Tokenizer) -> Callable[[], ToolCallParser]:
+        """The parser of tool calls in this model's output, or a 400 when there is none: the chat
+        template shows no format nanoserve knows and no `--tool-call-parser` names one."""
+        parser = parser_factory(self.tool_call_parser, tok.tool_chat_template or tok.chat_template)
+        if parser is None:
+            raise APIError(400, "this model's chat template shows no tool-call format nanoserve can parse; start the "
+                           "server with --tool-call-parser hermes or llama3_json", param="tools")
+        return parser
 
     def running_engine(self) -> LLMEngine:
         """The engine, or a 503 while it is loading, dead or shutting down."""

@@ -3,12 +3,19 @@
 Stream shape (OpenAI's): per choice a first chunk with the role, then content chunks, then a
 chunk with an empty delta and the finish_reason; with include_usage a final chunk with empty
 choices and the usage; then [DONE]. An engine failure mid-stream is an error event, then [DONE].
+
+With `tools` (and tool_choice "auto"), the tools are rendered into the prompt by the chat template
+and each choice's text goes through the model's tool-call parser (`tool_parsers`): content chunks
+carry only the text outside calls, each complete call is one chunk with the whole call (its
+`tool_calls[0].index` counting the choice's calls), and a choice that called tools ends with
+finish_reason "tool_calls" (unless it ran out of tokens).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import uuid
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -31,6 +38,7 @@ from nanoserve.server.serving import (
     stream_error,
     validate_prompt,
 )
+from nanoserve.server.tool_parsers import ToolCall, ToolCallParser
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -42,7 +50,8 @@ def prepare_chat(engine: LLMEngine, body: ChatCompletionRequest) -> tuple[list[i
         raise APIError(400, "this model has no tokenizer")
     messages = [m.to_template() for m in body.messages]
     try:
-        ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt is not False)
+        ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                              tools=body.template_tools())
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
     max_tokens = body.requested_max_tokens()
@@ -58,16 +67,39 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     serving.check_request(body, body.model)
     engine = serving.running_engine()
     tok = serving.tokenizer()
+    parser = serving.tool_parser(tok) if body.template_tools() is not None else None
     ids, params = await asyncio.to_thread(prepare_chat, engine, body)
     stream = serving.submit([ids], params, body.priority or 0, "chatcmpl")
     if body.stream:
-        events = _events(serving, stream, tok, params.n, body.include_usage)
+        events = _events(serving, stream, tok, params.n, body.include_usage, parser)
         return sse.SSEResponse(events, on_close=stream.close)
-    return await _complete(serving, stream, tok, params.n, request)
+    return await _complete(serving, stream, tok, params.n, request, parser)
 
 
-async def _complete(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int,
-                    request: Request) -> Response:
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    """A call as the API carries it, with a fresh id."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _message(text: str, parser: Callable[[], ToolCallParser] | None) -> dict[str, Any]:
+    if parser is None:
+        return {"role": "assistant", "content": text}
+    p = parser()
+    content, calls = p.push(text)
+    rest, more = p.finish()
+    content, calls = content + rest, calls + more
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None, "tool_calls": [tool_call_body(c) for c in calls]}
+
+
+async def _complete(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int, request: Request,
+                    parser: Callable[[], ToolCallParser] | None) -> Response:
     choices = [ChoiceOutput() for _ in range(n)]
     usage = UsageTally()
 
@@ -80,17 +112,18 @@ async def _complete(serving: Serving, stream: OutputStream, tok: Tokenizer, n: i
             return Response(status_code=499)
     except EngineError as e:
         raise engine_error(e) from e
+    messages = [_message("".join(c.text), parser) for c in choices]
     return JSONResponse({
         "id": stream.id, "object": "chat.completion", "created": now_s(), "model": serving.model_name,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                     "logprobs": None if c.logprobs is None else {"content": c.logprobs},
-                     "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+        "choices": [{"index": i, "message": m, "logprobs": None if c.logprobs is None else {"content": c.logprobs},
+                     "finish_reason": _finish_reason(c.finish_reason, "tool_calls" in m)}
+                    for i, (c, m) in enumerate(zip(choices, messages, strict=True))],
         "usage": usage.body(),
     })
 
 
-async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int,
-                  include_usage: bool) -> AsyncGenerator[bytes, None]:
+async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int, include_usage: bool,
+                  parser: Callable[[], ToolCallParser] | None) -> AsyncGenerator[bytes, None]:
     base: dict[str, Any] = {"id": stream.id, "object": "chat.completion.chunk", "created": now_s(),
                             "model": serving.model_name}
     usage_field = {"usage": None} if include_usage else {}
@@ -102,6 +135,14 @@ async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int
         return sse.event({**base, "choices": [choice], **usage_field})
 
     usage = UsageTally()
+    parsers = [parser() for _ in range(n)] if parser is not None else None
+    num_calls = [0] * n
+
+    def calls_chunk(index: int, calls: list[ToolCall]) -> bytes:
+        tool_calls = [{"index": num_calls[index] + j, **tool_call_body(c)} for j, c in enumerate(calls)]
+        num_calls[index] += len(calls)
+        return chunk(index, {"tool_calls": tool_calls})
+
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -109,10 +150,18 @@ async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int
             for d in deltas:
                 usage.add(d)
                 logprobs = chat_logprobs(tok, d) if d.logprobs is not None else None
-                if d.text or logprobs:
-                    yield chunk(d.index, {"content": d.text}, logprobs)
+                text, calls = d.text, []
+                if parsers is not None:
+                    text, calls = parsers[d.index].push(d.text)
+                    if d.finished:
+                        rest, more = parsers[d.index].finish()
+                        text, calls = text + rest, calls + more
+                if text or logprobs:
+                    yield chunk(d.index, {"content": text}, logprobs)
+                if calls:
+                    yield calls_chunk(d.index, calls)
                 if d.finished:
-                    yield chunk(d.index, {}, finish_reason=d.finish_reason)
+                    yield chunk(d.index, {}, finish_reason=_finish_reason(d.finish_reason, num_calls[d.index] > 0))
         if include_usage:
             yield sse.event({**base, "choices": [], "usage": usage.body()})
     except Exception as e:
