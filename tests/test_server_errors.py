@@ -30,7 +30,6 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None, str]] = [
     (CHAT, {"messages": MSG, "n": 0}, "n", "greater than or equal to 1"),
     (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens", "at least 1"),
     (CHAT, {"messages": MSG, "max_tokens": 500}, "messages", "maximum context length is 128 tokens"),
-    (CHAT, {"messages": MSG, "model": "gpt-9"}, "model", "`gpt-9` does not exist"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "valid string"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'user'"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -100,6 +99,9 @@ def test_bad_inputs_are_400_while_a_stream_runs_untouched(url: str) -> None:
         for raw in (b"{not json", b"[1, 2]", b""):
             _assert_error(http.post(f"{url}{CHAT}", content=raw), 400)
         _assert_error(http.get(f"{url}/v1/nope"), 404, None, "no route GET /v1/nope")
+        for path, body in ((CHAT, {"messages": MSG}), (COMPLETIONS, {"prompt": "x"}), ("/tokenize", {"prompt": "x"})):
+            unknown = http.post(f"{url}{path}", json={**body, "model": "gpt-9"})
+            _assert_error(unknown, 404, "model", "`gpt-9` does not exist")
         _assert_error(http.get(f"{url}{CHAT}"), 405)
         received.extend(chunks)
     payloads = sse_payloads(b"".join(received))

@@ -66,9 +66,10 @@ class Serving:
         return tok
 
     def check_request(self, body: BaseModel, model: str | None) -> None:
-        """400 for a model other than the served one; logs (and ignores) unknown fields."""
+        """404 for a model other than the served one (as OpenAI and vLLM answer); logs (and
+        ignores) unknown fields."""
         if model is not None and model != self.model_name:
-            raise APIError(400, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
         if body.model_extra:
             log.warning("ignoring unsupported request fields: %s", ", ".join(sorted(body.model_extra)))
