@@ -175,3 +175,20 @@ def test_gpu_engine_matches_cpu(make_checkpoint) -> None:
         assert (llm.engine.runner.decode_graphs is None) == eager
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
         assert llm.engine.kv_stats().blocks_used == 0
+
+
+@interpreted
+def test_interpreted_draft_passes_through_graphs(make_checkpoint) -> None:
+    """Speculative decoding with the draft's single-token passes and the target's plain decode steps
+    through padded graph buffers keeps greedy output exact (the target is its own draft here)."""
+    path = str(make_checkpoint("qwen3"))
+    prompts = [[5, 17, 200, 31, 9, 44, 12], list(range(40, 61)), [7, 7, 300, 2]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 7, 5)]
+    common = dict(dtype="float32", max_model_len=64, block_size=4)
+    ref = [o.outputs[0].token_ids for o in LLM(path, attention_backend="torch", **common).generate(prompts, params)]
+    llm = LLM(path, attention_backend="triton", speculative_model=path, num_speculative_tokens=3, **common)
+    heads = llm.engine.runner.kv_cache.shape[-2]
+    llm.engine.runner.use_decode_graphs(heads, max_batch_size=4, max_model_len=64)
+    llm.engine.proposer.runner.use_decode_graphs(heads, max_batch_size=4, max_model_len=64)  # type: ignore[union-attr]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+    assert llm.engine.spec_stats.accepted > 0 and llm.engine.kv_stats().blocks_used == 0

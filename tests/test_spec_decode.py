@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.spec_decode import NgramProposer, verify
+from nanoserve.engine.spec_decode import NgramProposer, verify, verify_greedy
 from nanoserve.engine.stand_in import stand_in_engine, stand_in_generate
 from nanoserve.model import load_model
 
@@ -34,7 +34,7 @@ def test_rejection_rule_preserves_the_target_distribution(point_mass):
     counts = torch.zeros(6)
     for d in draws:
         # n-gram style when point_mass: the draft is given, q is a point mass on it
-        out = verify(target, [d], None if point_mass else q[None], gen)
+        out = verify(target, [[d]], [None if point_mass else q[None]], [gen])[0]
         counts[out[0]] += 1
     assert _chi2(counts, p) < CHI2_999[5]
     # The same statistic does tell a wrong distribution apart.
@@ -43,9 +43,9 @@ def test_rejection_rule_preserves_the_target_distribution(point_mass):
 
 def test_greedy_verification_keeps_the_argmax_prefix():
     target = torch.nn.functional.one_hot(torch.tensor([3, 1, 4, 1]), 6).float()
-    assert verify(target, [3, 1, 4], None, None) == [3, 1, 4, 1]
-    assert verify(target, [3, 2, 4], None, None) == [3, 1]
-    assert verify(target, [0, 1, 4], None, None) == [3]
+    assert verify(target, [[3, 1, 4]], [None], [None]) == [[3, 1, 4, 1]]
+    assert verify(target, [[3, 2, 4]], [None], [None]) == [[3, 1]]
+    assert verify(target, [[0, 1, 4]], [None], [None]) == [[3]]
 
 
 def test_ngram_lookup_proposes_the_latest_continuation():
@@ -55,6 +55,62 @@ def test_ngram_lookup_proposes_the_latest_continuation():
     assert ngram.lookup([4, 5, 4, 5, 4, 5], 3) == [4, 5, 4]
     assert ngram.lookup([5, 6, 7, 5], 3) == [6, 7, 5]
     assert ngram.lookup([1, 2, 3, 4], 3) == []
+
+
+def test_batched_verification_equals_one_sequence_at_a_time():
+    """A batch mixing point-mass and sampled drafts of several lengths keeps, per seeded sequence,
+    exactly what verifying that sequence alone keeps: rows, draws and residuals never mix."""
+    rng = random.Random(7)
+    vocab = 5
+    for trial in range(60):
+        lengths = [rng.randrange(1, 5) for _ in range(rng.randrange(1, 6))]
+        targets = torch.softmax(3 * torch.randn(sum(k + 1 for k in lengths), vocab), dim=-1)
+        drafts = [[rng.randrange(vocab) for _ in range(k)] for k in lengths]
+        probs = [None if rng.random() < 0.5 else torch.softmax(torch.randn(k, vocab), dim=-1) for k in lengths]
+        if trial % 3 == 0:  # q == p with p(d) = 0: d is rejected, max(p - q, 0) is empty, p is drawn from
+            targets[0, drafts[0][0]] = 0.0
+            probs[0] = targets[: lengths[0]].clone()
+        seeds = [rng.randrange(2**31) for _ in lengths]
+        batched = verify(targets, drafts, probs, [torch.Generator().manual_seed(x) for x in seeds])
+        alone, row = [], 0
+        for k, d, q, seed in zip(lengths, drafts, probs, seeds, strict=True):
+            alone += verify(targets[row : row + k + 1], [d], [q], [torch.Generator().manual_seed(seed)])
+            row += k + 1
+        assert batched == alone
+
+
+def test_greedy_fast_path_equals_the_rejection_rule():
+    """`verify_greedy` (argmax ids only) keeps exactly what `verify` keeps on one-hot targets."""
+    rng = random.Random(5)
+    for _ in range(300):
+        k = rng.randrange(1, 6)
+        argmax = [rng.randrange(3) for _ in range(k + 1)]
+        drafts = [rng.randrange(3) for _ in range(k)]
+        target = torch.nn.functional.one_hot(torch.tensor(argmax), 3).float()
+        assert verify_greedy(argmax, drafts) == verify(target, [drafts], [None], [None])[0]
+
+
+def _brute_force_continuation(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """The n-gram rule by its definition: the longest n (max_n down to min_n) whose last-n suffix
+    occurs earlier (a window ending before the last token); what follows its latest occurrence that
+    has k tokens after it, else its earliest occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [p for p in range(len(tokens) - n) if tokens[p : p + n] == tokens[-n:]]
+        if starts:
+            full = [p for p in starts if p + n + k <= len(tokens)]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start : start + k]
+    return []
+
+
+@pytest.mark.parametrize(("max_n", "min_n"), [(4, 1), (3, 2), (1, 1)])
+def test_ngram_continuation_follows_its_definition(max_n, min_n):
+    rng = random.Random(max_n * 10 + min_n)
+    ngram = NgramProposer(max_n=max_n, min_n=min_n)
+    for _ in range(400):
+        tokens = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(1, 40))]
+        k = rng.randrange(1, 6)
+        assert ngram._continuation(tokens, k) == _brute_force_continuation(tokens, k, max_n, min_n)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -89,10 +145,13 @@ def target_and_draft(make_checkpoint):
     return target, draft_path
 
 
-@pytest.mark.parametrize("method", ["ngram", "self-draft", "other-draft"])
-def test_greedy_speculation_equals_plain_greedy(target_and_draft, method):
+@pytest.mark.parametrize(("method", "min_confidence"), [
+    ("ngram", None), ("self-draft", 0.0), ("self-draft", 0.003), ("other-draft", 0.0), ("other-draft", 0.003),
+])
+def test_greedy_speculation_equals_plain_greedy(target_and_draft, method, min_confidence):
     """Exact output whatever the drafts: the target itself as its draft (every draft accepted), a
-    draft that is mostly wrong (rejections and rollbacks), and prompt lookup."""
+    draft that is mostly wrong (rejections and rollbacks), and prompt lookup; a draft model drafting
+    its whole budget (min_confidence 0) or stopping early where unsure."""
     target, draft_path = target_and_draft
     rng = random.Random(3)
     prompts = [[rng.randrange(1000) for _ in range(n)] for n in (5, 17, 33)]
@@ -102,6 +161,8 @@ def test_greedy_speculation_equals_plain_greedy(target_and_draft, method):
     spec_args = {"ngram": {"speculative_method": "ngram"}, "self-draft": {"speculative_model": str(target.path)},
                  "other-draft": {"speculative_model": str(draft_path)}}[method]
     llm = LLM(loaded=target, max_model_len=128, block_size=4, num_speculative_tokens=3, **spec_args)
+    if min_confidence is not None:
+        llm.engine.proposer.min_confidence = min_confidence
     spec = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     stats = llm.engine.spec_stats
@@ -110,6 +171,11 @@ def test_greedy_speculation_equals_plain_greedy(target_and_draft, method):
         assert stats.accepted == stats.proposed
     if method == "ngram":
         assert stats.accepted > 0
+    per_verification = stats.proposed / stats.verifications
+    if min_confidence == 0.0:  # the whole budget (3) but near max_tokens
+        assert per_verification > 2.5
+    elif min_confidence is not None:  # random weights: top probabilities of a few thousandths, so a mix
+        assert 1.0 < per_verification < 2.5
     assert llm.engine.kv_stats().blocks_used == 0
     if method != "ngram":
         draft_pool = llm.engine.proposer.kv.pool
@@ -136,6 +202,7 @@ def test_sampled_speculation_matches_the_target_distribution(target_and_draft):
                  for b, pb in topk_probs(hf(torch.tensor([[*prompt, a]])).logits[0, -1]).items()}
     llm = LLM(loaded=target, max_model_len=64, max_num_seqs=512, speculative_model=str(draft_path),
               num_speculative_tokens=2, seed=1)
+    llm.engine.proposer.min_confidence = 0.0  # both drafts every time: random weights are never confident
     outs = llm.generate([prompt] * 500, params)
     keys = list(joint)
     counts = torch.zeros(len(keys))

@@ -5,7 +5,8 @@ The draft keeps its own paged KV (its own pool and a block table per sequence) a
 not computed (the whole prompt the first time; afterwards the target's last accepted tokens), then
 runs one single-token step per further draft, all sequences batched in each pass. Drafts are drawn
 from the draft's own sampling distribution q (same parameters as the request), and q is returned
-so the target can verify by rejection sampling.
+so the target can verify by rejection sampling; greedy requests draft the draft's argmax (q is a
+point mass, returned as None).
 
 Invariant: a shadow's K/V is valid for its first `num_computed_tokens` tokens, which always agree
 with the target sequence: after verification it is cut back to the tokens the target kept.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.attention import AttentionBackend
 from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import inverse_cdf, sampling_probs
@@ -34,9 +36,16 @@ class _Shadow:
 
 class DraftModelProposer:
     def __init__(self, model: Model, kv_shape: KVShape, num_blocks: int, block_size: int, vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, min_confidence: float = 0.4, backend: AttentionBackend | None = None) -> None:
+        """`min_confidence`: a sequence stops drafting before its budget after a draft to which the
+        draft model's softmax (temperature 1, no filters) gave less than this probability; that draft
+        is still proposed. A draft it is unsure of is likely rejected, and each further draft costs a
+        whole draft pass. Exactness does not depend on it (whether a draft follows depends only on
+        earlier drafts). 0 drafts the whole budget; 0.4 is transformers' assisted-generation default.
+        `backend`: the draft runner's attention backend (default: torch)."""
+        self.min_confidence = min_confidence
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, kv_shape, num_blocks, block_size, vocab_size, frozenset(), device)
+        self.runner = ModelRunner(model, kv_shape, num_blocks, block_size, vocab_size, frozenset(), device, backend)
         self.vocab_size = vocab_size
         self.device = device
         self._shadows: dict[tuple[str, int], _Shadow] = {}
@@ -54,22 +63,39 @@ class DraftModelProposer:
                 self.release(req)
         drafts: dict[Request, list[int]] = {req: [] for req, _, _ in active}
         dists: dict[Request, list[torch.Tensor]] = {req: [] for req, _, _ in active}
+        any_greedy = any(req.params.greedy for req, _, _ in active)
         step = 0
         while active:
-            # Single-token sequences first, as attention expects; logits rows follow the plan.
+            # Single-token sequences first, as a plan must list them; logits rows follow `rows`.
             active.sort(key=lambda a: a[1].seq.num_tokens - a[1].seq.num_computed_tokens > 1)
             plan = StepPlan([(s.seq, s.seq.num_tokens - s.seq.num_computed_tokens) for _, s, _ in active])
-            logits, _, _ = self.runner.forward(plan)
-            for row, (req, shadow, _) in enumerate(active):
+            logits, rows, _ = self.runner.forward(plan)
+            # Greedy rows draft the argmax (q is a point mass: nothing to keep); sampled rows draw from
+            # q, all in one `sampling_probs`, each with one uniform from its own stream.
+            by_seq = {shadow.seq: (req, shadow) for req, shadow, _ in active}
+            pairs = [by_seq[seq] for seq in rows]
+            tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist() if any_greedy else [0] * len(pairs)
+            sampled = [row for row, (req, _) in enumerate(pairs) if not req.params.greedy]
+            if sampled:
+                q = sampling_probs(logits[sampled], [pairs[row][0].params for row in sampled], self.vocab_size)
+                u = torch.cat([torch.rand(1, generator=pairs[row][1].generator, device=q.device) for row in sampled])
+                for j, (row, token) in enumerate(zip(sampled, inverse_cdf(q, u).tolist(), strict=True)):
+                    tokens[row] = token
+                    dists[pairs[row][0]].append(q[j])
+            confident = [True] * len(pairs)
+            if self.min_confidence > 0:
+                chosen = torch.tensor(tokens, device=logits.device)[:, None]
+                conf = torch.softmax(logits[:, : self.vocab_size].float(), dim=-1).gather(1, chosen)
+                confident = (conf[:, 0] >= self.min_confidence).tolist()
+            stopped = set()
+            for (req, shadow), token, ok in zip(pairs, tokens, confident, strict=True):
                 shadow.seq.num_computed_tokens = shadow.seq.num_tokens
-                q = sampling_probs(logits[row : row + 1], req.params, self.vocab_size)
-                u = torch.rand(1, generator=shadow.generator, device=q.device)
-                token = int(inverse_cdf(q, u)[0])
                 drafts[req].append(token)
-                dists[req].append(q[0])
                 shadow.seq.all_token_ids.append(token)
+                if not ok:
+                    stopped.add(req)
             step += 1
-            active = [a for a in active if a[2] > step]
+            active = [a for a in active if a[2] > step and a[0] not in stopped]
         return [Proposal(drafts[r], None if r.params.greedy else torch.stack(dists[r])) if r in drafts
                 else Proposal([], None) for r in requests]
 

@@ -14,7 +14,7 @@ import torch
 from nanoserve.attention import select_backend
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.draft_model import DraftModelProposer
-from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta
+from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta, use_cuda_graphs
 from nanoserve.engine.memory_profile import activation_peak_bytes, kv_budget_bytes
 from nanoserve.engine.model_runner import KVShape
 from nanoserve.engine.sampling_params import SamplingParams
@@ -77,7 +77,9 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     if args.spec_method == "ngram":
         proposer = NgramProposer()
     elif draft is not None:
-        proposer = DraftModelProposer(draft.model, draft_shape, num_blocks, args.block_size, vocab, device)
+        proposer = DraftModelProposer(draft.model, draft_shape, num_blocks, args.block_size, vocab, device,
+                                      backend=select_backend(args.attention_backend, device))
+        use_cuda_graphs(proposer.runner, draft_shape.num_kv_heads, args)  # its single-token passes
     return LLMEngine(loaded.model, loaded.tokenizer, kv_shape, vocab, args, loaded.tokenizer.stop_token_ids,
                      proposer, num_blocks)
 

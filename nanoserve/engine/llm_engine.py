@@ -74,6 +74,18 @@ class _Group:
     sequences: list[_Sequence] = field(default_factory=list)
 
 
+def use_cuda_graphs(runner: ModelRunner, num_kv_heads: int, args: EngineArgs) -> None:
+    """Captures the runner's decode steps as CUDA graphs on a CUDA device unless `enforce_eager`;
+    they need the Triton attention backend (its fixed-split decode path is graph-safe)."""
+    if runner.device.type != "cuda" or args.enforce_eager:
+        return
+    if not isinstance(runner.backend, TritonAttention):
+        log.info("CUDA graphs need the triton attention backend; decode steps run eagerly")
+        return
+    assert args.max_model_len is not None
+    runner.use_decode_graphs(num_kv_heads, args.max_num_seqs, args.max_model_len)
+
+
 class LLMEngine:
     def __init__(self, model: Model, tokenizer: Tokenizer | None, kv_shape: KVShape, vocab_size: int,
                  args: EngineArgs, stop_token_ids: frozenset[int] = frozenset(),
@@ -96,11 +108,7 @@ class LLMEngine:
         self.stop_token_ids = stop_token_ids
         self.runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids,
                                   self.device, select_backend(args.attention_backend, self.device))
-        if self.device.type == "cuda" and not args.enforce_eager:
-            if isinstance(self.runner.backend, TritonAttention):
-                self.runner.use_decode_graphs(kv_shape.num_kv_heads, args.max_num_seqs, args.max_model_len)
-            else:
-                log.info("CUDA graphs need the triton attention backend; decode steps run eagerly")
+        use_cuda_graphs(self.runner, kv_shape.num_kv_heads, args)
         self.proposer = proposer
         self.num_speculative_tokens = args.num_speculative_tokens
         self.spec_stats = SpecStats()

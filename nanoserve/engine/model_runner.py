@@ -17,7 +17,7 @@ from nanoserve.engine.cuda_graph import DecodeGraphs
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
-from nanoserve.engine.spec_decode import verify
+from nanoserve.engine.spec_decode import verify, verify_greedy
 
 
 class Model(Protocol):
@@ -48,6 +48,13 @@ class StepResult(NamedTuple):
     requests: list[Request]
     sampled: SamplerOutput
     verified: list[tuple[Request, list[int]]]
+
+
+def _decodes_by_length(scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    """The plan's sequences with the single-token ones (decodes) first, shortest context first,
+    and the multi-token ones after them in plan order: attention backends batch decodes of
+    similar length together (torch_ref's chunks), so less of each gather is padding."""
+    return sorted(scheduled, key=lambda item: (item[1] > 1, item[0].num_computed_tokens if item[1] == 1 else 0))
 
 
 class ModelRunner:
@@ -87,14 +94,36 @@ class ModelRunner:
         sampled = SamplerOutput([], None, None)
         if sample_reqs:
             sampled = self.sampler(logits[: len(sample_reqs)], self._sampling_batch(sample_reqs))
-        verified = []
-        row = len(sample_reqs)
+        return StepResult(sample_reqs, sampled, self._verify(logits[len(sample_reqs) :], spec_reqs))
+
+    def _verify(self, logits: torch.Tensor, spec_reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        """The kept tokens of each sequence with drafts; `logits` holds its last token's row and one
+        row per draft, sequence after sequence. Greedy sequences share one argmax over all rows;
+        sampled ones one `sampling_probs` and one batched `verify`."""
+        kept: dict[Request, list[int]] = {}
+        greedy: list[tuple[Request, int]] = []  # (sequence, its first row)
+        sampled_rows: list[int] = []
+        sampled: list[Request] = []
+        row = 0
         for req in spec_reqs:
             k = len(req.spec_token_ids)
-            target = sampling_probs(logits[row : row + k + 1], req.params, self.vocab_size)
-            verified.append((req, verify(target, req.spec_token_ids, req.spec_probs, self._generator(req))))
+            if req.params.greedy:
+                greedy.append((req, row))
+            else:
+                sampled_rows.extend(range(row, row + k + 1))
+                sampled.append(req)
             row += k + 1
-        return StepResult(sample_reqs, sampled, verified)
+        if greedy:
+            argmax = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+            for req, row in greedy:
+                kept[req] = verify_greedy(argmax[row : row + len(req.spec_token_ids) + 1], req.spec_token_ids)
+        if sampled:
+            params = [r.params for r in sampled for _ in range(len(r.spec_token_ids) + 1)]
+            targets = sampling_probs(logits[sampled_rows], params, self.vocab_size)
+            outs = verify(targets, [r.spec_token_ids for r in sampled], [r.spec_probs for r in sampled],
+                          [self._generator(r) for r in sampled])
+            kept.update(zip(sampled, outs, strict=True))
+        return [(req, kept[req]) for req in spec_reqs]
 
     def release(self, req: Request) -> None:
         """Forgets a finished request's generator."""
@@ -102,8 +131,9 @@ class ModelRunner:
 
     def _prepare(self, plan: StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor,
                                                  list[Request], list[Request]]:
-        """Flat batch tensors. Logits rows: first the last token of each plain sequence that reaches
-        its end, then, per sequence with drafts, its last token and every draft."""
+        """Flat batch tensors, decodes first in order of context length (see `_decodes_by_length`).
+        Logits rows: first the last token of each plain sequence that reaches its end, then, per
+        sequence with drafts, its last token and every draft."""
         bs = self.block_size
         ids: list[int] = []
         starts: list[int] = []
@@ -114,7 +144,7 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         spec_rows: list[int] = []
         spec_reqs: list[Request] = []
-        for req, n in plan.scheduled:
+        for req, n in _decodes_by_length(plan.scheduled):
             start = req.num_computed_tokens
             end = start + n
             ids.extend(req.all_token_ids[start:end])

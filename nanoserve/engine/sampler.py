@@ -167,18 +167,23 @@ class _SampledRows:
         return probs
 
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams, vocab_size: int) -> torch.Tensor:
-    """The distribution [n, vocab_size] the sampler draws from for rows of `logits` that all share
-    `params` (which use no penalties): one-hot at the argmax when greedy, else temperature, top-k,
-    top-p and min-p applied and the result normalised. Speculative decoding verifies against it."""
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams], vocab_size: int) -> torch.Tensor:
+    """The distribution [n, vocab_size] the sampler draws from for each row of `logits`, under that
+    row's `params[i]` (which use no penalties): one-hot at the argmax when greedy, else temperature,
+    top-k, top-p and min-p applied and the result normalised. All rows in one vectorised pass; a
+    row's result depends only on its own logits and parameters. Speculative decoding verifies
+    against it, and a draft model draws its drafts from it."""
     logits = logits[:, :vocab_size].float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
-    n = logits.shape[0]
-    rows = _SampledRows.build(list(range(n)), [params] * n, [None] * n, vocab_size, logits.device)
-    probs = rows.probs(logits.clone())
-    return probs / probs.sum(dim=-1, keepdim=True)
-
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if len(sampled) < len(params):
+        probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
+    else:
+        probs = torch.empty_like(logits)
+    if sampled:
+        rows = _SampledRows.build(sampled, params, [None] * len(params), vocab_size, logits.device)
+        kept = rows.probs(logits)  # reads rows.rows of logits into a new tensor; logits is untouched
+        probs[rows.rows] = kept / kept.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ sequence's last token and the drafts in one pass (inside the normal batched step
 rule of Leviathan et al. (2023) and Chen et al. (2023): draft d, drawn from q, is accepted with
 probability min(1, p(d) / q(d)); on rejection a token is drawn from norm(max(p - q, 0)); after k
 acceptances a bonus token is drawn from p. The output is distributed exactly as the target's p.
-Greedy requests are the special case p = one-hot(argmax): output equals plain greedy decoding.
+Greedy requests are the special case p = one-hot(argmax): output equals plain greedy decoding;
+`verify_greedy` is that case computed from the argmax ids alone (no distributions, no draws).
 
 Proposers:
 - `NgramProposer` (prompt lookup): the continuation of the latest earlier occurrence of the
@@ -99,15 +100,26 @@ class NgramProposer:
         return out
 
     def _continuation(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens after the chosen match of the longest suffix (n <= max_n) seen earlier.
+
+        A match of length n ends at position e < len - 1 with tokens[e - j] == tokens[-1 - j] for
+        j < n. Candidates are the ends matching the last token, narrowed one suffix token at a time
+        while any survive, so only the few candidate positions are compared, never whole windows."""
         arr = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-            if hits.size:
-                full = hits[hits + n + k <= len(arr)]
-                start = int(full[-1] if full.size else hits[0]) + n
-                return arr[start : start + k].tolist()
-        return []
+        last = len(arr) - 1
+        ends = np.flatnonzero(arr[:-1] == arr[-1])
+        n = 1
+        for j in range(1, min(self.max_n, last)):
+            ends_j = ends[ends >= j]
+            longer = ends_j[arr[ends_j - j] == arr[last - j]]
+            if longer.size == 0:
+                break
+            ends, n = longer, j + 1
+        if ends.size == 0 or n < self.min_n:
+            return []
+        full = ends[ends + k < len(arr)]
+        start = int(full[-1] if full.size else ends[0]) + 1
+        return arr[start : start + k].tolist()
 
     def release(self, req: Request) -> None:
         pass
@@ -116,29 +128,67 @@ class NgramProposer:
         pass
 
 
-def verify(target: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-           generator: torch.Generator | None) -> list[int]:
-    """The tokens a sequence keeps: the accepted prefix of `drafts` plus one token drawn by the
-    rejection rule. `target` [k+1, V] holds the target's sampling distributions (`sampling_probs`)
-    at the last token and after each draft. Draws exactly 2 * (k + 1) uniforms from `generator`
-    (torch's default one if None), so a seeded request's stream does not depend on the batch."""
-    k = len(drafts)
-    u = torch.rand(2 * (k + 1), generator=generator, device=generator.device if generator else None).tolist()
-    out: list[int] = []
+def verify(targets: torch.Tensor, drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
+           generators: list[torch.Generator | None]) -> list[list[int]]:
+    """The tokens each sequence keeps: the accepted prefix of its drafts plus one token drawn by the
+    rejection rule, for a batch of sequences at once.
+
+    `targets` [sum(k_s + 1), V] holds the target's sampling distributions (`sampling_probs`),
+    sequence after sequence, at the last token and after each of its k_s drafts; `draft_probs[s]`
+    [k_s, V] the distributions its drafts were drawn from (None: point masses). Sequence s draws
+    exactly 2 * (k_s + 1) uniforms from `generators[s]` (torch's default one if None): u[2i] decides
+    draft i, u[2i + 1] draws the replacement at the first rejection i (or the bonus, i = k_s), so a
+    seeded request's stream, and what it keeps, do not depend on the batch."""
+    device = targets.device
+    lengths = [len(d) for d in drafts]
+    starts = np.cumsum([0, *[k + 1 for k in lengths]])[:-1].tolist()
+    gens = zip(lengths, generators, strict=True)
+    u = torch.cat([torch.rand(2 * (k + 1), generator=g, device=device) for k, g in gens])
+    # Draft j of the flat list (sequence s, draft i) is j = starts[s] - s + i, at targets row j + s.
+    draft_rows = [starts[s] + i for s, k in enumerate(lengths) for i in range(k)]
+    flat = [d for ds in drafts for d in ds]
+    accepted: list[bool] = []
+    if flat:
+        p_d = targets[draft_rows, flat].double()
+        q_d = torch.ones_like(p_d)
+        sampled = [s for s, q in enumerate(draft_probs) if q is not None and lengths[s]]
+        if sampled:  # each draft's q(d), gathered from the draft distributions that exist
+            at = [j for s in sampled for j in range(starts[s] - s, starts[s] - s + lengths[s])]
+            q_rows = torch.cat([draft_probs[s][: lengths[s]] for s in sampled])
+            q_d[at] = q_rows[list(range(len(at))), [flat[j] for j in at]].double()
+        accepted = (u[[2 * r for r in draft_rows]].double() * q_d < p_d).tolist()
+    kept: list[list[int]] = []
+    final_rows, rejected, u_rows = [], [], []
+    for s, (ds, start) in enumerate(zip(drafts, starts, strict=True)):
+        i = next((i for i in range(len(ds)) if not accepted[start - s + i]), len(ds))
+        kept.append(ds[:i])
+        final_rows.append(start + i)
+        u_rows.append(2 * (start + i) + 1)
+        if i < len(ds):
+            rejected.append((s, i))
+    weights = targets[final_rows]  # a copy: bonus rows, and the rows that become residuals
+    if rejected:  # the residual max(p - q, 0); for a point mass at d that is p without d
+        rows = [s for s, _ in rejected]
+        residual = weights[rows]
+        point = [j for j, (s, _) in enumerate(rejected) if draft_probs[s] is None]
+        if point:
+            residual[point, [drafts[rejected[j][0]][rejected[j][1]] for j in point]] = 0.0
+        dist = [j for j, (s, _) in enumerate(rejected) if draft_probs[s] is not None]
+        if dist:
+            q = torch.stack([draft_probs[s][i] for s, i in (rejected[j] for j in dist)])
+            residual[dist] = (residual[dist] - q).clamp_(min=0.0)
+        empty = residual.sum(dim=-1, keepdim=True) <= 0.0  # p == q up to rounding: p itself is the residual
+        weights[rows] = torch.where(empty, weights[rows], residual)
+    tokens = inverse_cdf(weights, u[u_rows]).tolist()
+    return [[*ks, t] for ks, t in zip(kept, tokens, strict=True)]
+
+
+def verify_greedy(argmax: list[int], drafts: list[int]) -> list[int]:
+    """`verify` for a greedy request, from the target's argmax at the last token and after each draft
+    (len(drafts) + 1 ids): a draft is accepted iff it equals the argmax at its position, and the
+    token after the accepted prefix is the argmax there, so the kept tokens are a prefix of `argmax`.
+    Equals `verify` on the one-hot targets `sampling_probs` gives greedy requests, and draws nothing."""
     for i, d in enumerate(drafts):
-        p = target[i]
-        q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
-        if u[2 * i] * q_d < float(p[d]):
-            out.append(d)
-            continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[d] = 0.0
-        else:
-            residual = (p - draft_probs[i]).clamp_(min=0.0)
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: p itself is the residual
-            residual = p
-        out.append(int(inverse_cdf(residual[None], torch.tensor([u[2 * i + 1]], device=p.device))[0]))
-        return out
-    out.append(int(inverse_cdf(target[k][None], torch.tensor([u[2 * k + 1]], device=target.device))[0]))
-    return out
+        if d != argmax[i]:
+            return argmax[: i + 1]
+    return argmax[: len(drafts) + 1]

@@ -28,6 +28,7 @@ from typing import Any
 from nanoserve.engine.llm_engine import KVStats, LLMEngine, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import SpecStats
+from nanoserve.server.deltas import coalesce
 from nanoserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -315,8 +316,10 @@ class OutputStream:
 
     Lives on the event loop. Iterating yields, per engine step, the deltas of this request's
     sequences and ends once every sequence has finished; it raises EngineError if the engine
-    failed the request. `close()` aborts whatever has not finished and is idempotent: handlers
-    call it whenever they stop listening (client gone, error, shutdown).
+    failed the request. A consumer that fell behind by several steps gets them in one list, each
+    sequence's deltas merged into one (`coalesce`): one chunk to write, not one per step.
+    `close()` aborts whatever has not finished and is idempotent: handlers call it whenever they
+    stop listening (client gone, error, shutdown).
     """
 
     def __init__(self, owner: AsyncEngine, api_id: str, request_ids: list[str], n: int) -> None:
@@ -329,10 +332,20 @@ class OutputStream:
         self._queue: asyncio.Queue[list[SequenceDelta] | BaseException | None] = asyncio.Queue()
 
     async def __aiter__(self) -> AsyncIterator[list[SequenceDelta]]:
-        while (item := await self._queue.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        while True:
+            items = [await self._queue.get()]
+            while not self._queue.empty():  # a consumer that fell behind takes all that is queued
+                items.append(self._queue.get_nowait())
+            batches = [item for item in items if isinstance(item, list)]
+            if len(batches) == 1:
+                yield batches[0]
+            elif batches:
+                yield coalesce([d for batch in batches for d in batch])
+            end = items[-1]  # None or an error only ever comes last
+            if isinstance(end, BaseException):
+                raise end
+            if end is None:
+                return
 
     def close(self) -> None:
         self._end("abort", None)
