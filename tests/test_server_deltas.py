@@ -124,3 +124,20 @@ def test_multi_token_sse_chunks_reassemble_the_text(tokenizer: Tokenizer) -> Non
         assert events[-1]["usage"]["completion_tokens"] == len(ids)
         assert choices[-1]["finish_reason"] == "length"
     assert len(merged) < len(one)
+
+
+def test_stream_interval_sends_every_n_steps(demo_dir: Path) -> None:
+    """A server with --stream-interval 4: the first token at once, then one chunk per 4 tokens
+    (and the last at the end), carrying exactly the text a non-streamed request gets."""
+    import httpx
+    from test_server_helpers import make_engine, serve, sse_payloads
+
+    body = {"prompt": "Once upon a time", "max_tokens": 17, "temperature": 0.0, "ignore_eos": True}
+    with serve(make_engine(demo_dir), stream_interval=4) as (url, _):
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        raw = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60).content
+    chunks = [p["choices"][0] for p in sse_payloads(raw) if p["choices"]]
+    assert "".join(c["text"] for c in chunks) == whole
+    assert chunks[-1]["finish_reason"] == "length"
+    # tokens 1 | 2-5 | 6-9 | 10-13 | 14-17 (the last one ends the sequence): at most 5 text chunks
+    assert 3 <= sum(bool(c["text"]) for c in chunks) <= 5

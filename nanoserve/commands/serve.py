@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default="auto",
                    help="how tool calls appear in the model's output: hermes (<tool_call> JSON, Qwen), llama3_json "
                         "(Llama 3.x), none, or auto (read from the chat template)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="send each request's new tokens every N engine steps (and at its first token and its end); "
+                        "N > 1 saves serving work at the cost of burstier streams")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -51,7 +54,8 @@ def run(ns: argparse.Namespace) -> int:
             server.should_exit = True  # nothing to serve: shut down (see the check below)
             raise
 
-    app = build_app(load, ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser))
+    app = build_app(load, ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser,
+                                          ns.stream_interval))
     config = uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=ns.shutdown_timeout,
                             log_level=logging.getLevelName(logging.getLogger().level).lower())
     server = uvicorn.Server(config)

@@ -43,6 +43,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     tool_call_parser: str = "auto"  # auto (from the chat template), hermes, llama3_json or none
+    stream_interval: int = 1  # steps between a request's outputs (see AsyncEngine)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in PARSER_NAMES:
@@ -59,7 +60,8 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine], config: ServerConfig 
     else:
         loader, name = engine, config.served_model_name or DEMO_MODEL_NAME
     metrics = Metrics()
-    async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics)
+    async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
+                               stream_interval=config.stream_interval)
     serving = Serving(async_engine, name, config.tool_call_parser)
 
     @asynccontextmanager
