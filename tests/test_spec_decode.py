@@ -210,3 +210,14 @@ def test_sampled_speculation_matches_the_target_distribution(target_and_draft):
         counts[keys.index(tuple(o.outputs[0].token_ids[:2]))] += 1
     assert llm.engine.spec_stats.verifications >= 500
     assert _chi2(counts, torch.tensor([joint[k] for k in keys])) < CHI2_999[8]
+
+
+def test_speculation_arguments_are_checked() -> None:
+    from nanoserve.engine.args import EngineArgs
+
+    for bad, words in ((dict(num_speculative_tokens=0), "at least 1"),
+                       (dict(speculative_min_confidence=1.5), "speculative_min_confidence"),
+                       (dict(speculative_method="eagle"), "ngram or draft"),
+                       (dict(speculative_method="draft"), "needs a draft model")):
+        with pytest.raises(ValueError, match=words):
+            EngineArgs(**bad)

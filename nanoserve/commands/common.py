@@ -23,6 +23,8 @@ _HELP = {
     "speculative_method": "ngram (prompt lookup) or draft (with --speculative-model)",
     "speculative_model": "a draft model sharing the tokenizer (folder or .gguf); implies --speculative-method draft",
     "num_speculative_tokens": "drafts verified per step and sequence",
+    "speculative_min_confidence": "a draft model stops drafting for a sequence after a draft it gave less than this "
+                                  "probability (0: always draft --num-speculative-tokens)",
     "attention_backend": "auto (triton on CUDA, torch elsewhere), torch or triton",
     "gpu_memory_utilization": "CUDA: share of GPU memory for weights, activations and the KV pool (sizes the pool "
                               "unless --kv-cache-memory or --num-kv-blocks is given)",

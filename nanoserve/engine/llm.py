@@ -78,7 +78,7 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
         proposer = NgramProposer()
     elif draft is not None:
         proposer = DraftModelProposer(draft.model, draft_shape, num_blocks, args.block_size, vocab, device,
-                                      backend=select_backend(args.attention_backend, device))
+                                      args.speculative_min_confidence, select_backend(args.attention_backend, device))
         use_cuda_graphs(proposer.runner, draft_shape.num_kv_heads, args)  # its single-token passes
     return LLMEngine(loaded.model, loaded.tokenizer, kv_shape, vocab, args, loaded.tokenizer.stop_token_ids,
                      proposer, num_blocks)
