@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.engine.stand_in import stand_in_engine
+from nanoserve.engine.stand_in import stand_in_engine, stand_in_generate
 from nanoserve.kv import BlockTable, KVCacheManager, RadixCache
 from nanoserve.kv.radix_cache import RadixNode
 
@@ -323,6 +323,27 @@ def test_engine_stats_count_each_admission_once():
         engine.step()
     stats = engine.kv_stats()
     assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (13 + 14, 12)
+    _drain(engine.kv)
+
+
+def test_a_burst_with_one_prefix_computes_it_once():
+    """Four requests with the same 3-block prefix arrive together, with budget for all of them:
+    the first computes the prefix and the others are admitted a step later, matching it (without
+    the deferral each would compute it alongside). Outputs stay exact."""
+    engine = stand_in_engine(block_size=4, max_num_batched_tokens=256)
+    prefix = list(range(100, 112))
+    prompts = [[*prefix, 1 + i, 2 * i + 3] for i in range(4)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=5, temperature=0.0))
+    first = engine.step()
+    assert [d.request_id for d in first] == ["0"]  # the others wait one step for its prefix
+    outputs = {d.request_id: list(d.token_ids) for d in first}
+    while engine.has_unfinished():
+        for d in engine.step():
+            outputs.setdefault(d.request_id, []).extend(d.token_ids)
+    assert [outputs[str(i)] for i in range(4)] == [stand_in_generate(p, 5) for p in prompts]
+    stats = engine.kv_stats()
+    assert stats.prefix_hit_tokens == 3 * 12 and stats.prefix_queried_tokens == 4 * 14
     _drain(engine.kv)
 
 

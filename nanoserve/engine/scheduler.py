@@ -102,7 +102,13 @@ class Scheduler:
         return StepPlan(scheduled, preempted)
 
     def _admit(self, budget: int, chosen: dict[Request, int]) -> int:
-        """Admits waiting sequences in queue order while budget, seats and blocks last."""
+        """Admits waiting sequences in queue order while budget, seats and blocks last.
+
+        A sequence whose first uncached block is the same (same tokens up to it) as the first
+        uncached block of one admitted in this step waits for the next step, where it matches what
+        the other computed instead of computing the same prefix beside it (a burst of requests
+        with one system prompt computes it once)."""
+        computing: set[tuple[int, ...]] = set()  # prompts up to the first block each admission computes
         for req in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -112,6 +118,11 @@ class Scheduler:
                     continue
                 req.wait_for = None
             req.num_computed_tokens = self.kv.match(req.table, req.all_token_ids)  # the table is empty here
+            head = self._first_uncached_block(req)
+            if head is not None and head in computing:
+                self.kv.free(req.table, req.all_token_ids, 0)
+                req.num_computed_tokens = 0
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req.table, req.num_computed_tokens + n):
                 self.kv.free(req.table, req.all_token_ids, 0)
@@ -126,7 +137,17 @@ class Scheduler:
             self.running.append(req)
             chosen[req] = n
             budget -= n
+            if head is not None:
+                computing.add(head)
         return budget
+
+    def _first_uncached_block(self, req: Request) -> tuple[int, ...] | None:
+        """The tokens up to the end of the first block the sequence computes after its prefix-cache
+        match, if that block is full and could be published for others (None without a cache)."""
+        if self.kv.cache is None:
+            return None
+        end = (req.num_computed_tokens // self.kv.block_size + 1) * self.kv.block_size
+        return tuple(req.all_token_ids[:end]) if end < req.num_tokens else None
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.table, req.all_token_ids, req.num_computed_tokens)
