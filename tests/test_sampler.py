@@ -167,6 +167,25 @@ def test_top_p_floor_widens_past_the_first_candidates() -> None:
     assert int((probs[0] >= floor[0]).sum()) > 4096 and int((probs[2] >= floor[2]).sum()) < 256
 
 
+def test_top_p_floor_on_a_large_vocabulary_with_ties() -> None:
+    """Qwen-sized rows past the first candidates (the radix path): the kept count equals a float64
+    sort's, and values tied with the last kept one are all kept."""
+    torch.manual_seed(3)
+    vocab = 151936
+    logits = torch.randn(3, vocab) * torch.tensor([[1.25], [3.0], [1.0]])
+    logits[2] -= 5.0
+    logits[2, :5000] = 4.0  # 5,000 tied values above the rest, holding 99% of row 2's mass
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([[0.9], [0.95], [0.5]])
+    floor = _top_p_floor(probs, top_p)
+    for row in range(3):
+        ordered = probs[row].double().sort(descending=True).values
+        want = int((ordered.cumsum(0) >= float(top_p[row]) * ordered.sum()).int().argmax()) + 1
+        kept = int((probs[row] >= floor[row]).sum())
+        assert kept == (5000 if row == 2 else want), row
+    assert float(floor[2]) == float(probs[2, 0])
+
+
 # Distinct, well separated logits: no filter boundary lies within rounding distance.
 CHI2_LOGITS = torch.tensor([2.0, 1.6, 1.1, 0.7, 0.2, -0.3, -0.9, -1.5])
 CHI2_CASES = [
