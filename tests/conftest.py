@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +66,13 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) ->
         return path
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch intra-op thread for the module's tests (on a loaded 2-core machine a second one
+    mostly adds barrier waits and scheduler time slices), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -29,15 +29,8 @@ from nanoserve.engine.stand_in import (
     stand_in_next,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The stand-in's tensors are tiny: a second intra-op thread only adds barrier waits (and on a
-    loaded 2-core machine, scheduler time slices)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The stand-in's tensors are tiny: a second intra-op thread only adds barrier waits.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _params(max_tokens: int, n: int = 1) -> SamplingParams:

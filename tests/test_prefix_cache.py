@@ -10,7 +10,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,15 +18,8 @@ from nanoserve.engine.stand_in import stand_in_engine, stand_in_generate
 from nanoserve.kv import BlockTable, KVCacheManager, RadixCache
 from nanoserve.kv.radix_cache import RadixNode
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The stand-in's tensors are tiny: a second intra-op thread only adds barrier waits (and on a
-    loaded 2-core machine, scheduler time slices)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The stand-in's tensors are tiny: a second intra-op thread only adds barrier waits.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _nodes(cache: RadixCache) -> list[RadixNode]:

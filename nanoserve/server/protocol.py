@@ -146,7 +146,6 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
 
     def template_tools(self) -> list[dict[str, object]] | None:
         """The tools to render into the prompt: None without tools or with tool_choice "none".
