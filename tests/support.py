@@ -1,6 +1,9 @@
-"""Test helpers shared by several test files: a bare forward pass over whole sequences."""
+"""Test helpers shared by several test files: a bare forward pass over whole sequences, and paged
+attention metadata with its dense reference."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -54,3 +57,41 @@ def forward_chunks(loaded: LoadedModel, chunks: list[list[list[int]]]) -> list[t
 def full_logits(loaded: LoadedModel, seqs: list[list[int]]) -> list[torch.Tensor]:
     """Logits [len, vocab] for every position of each sequence, from one batched prefill."""
     return forward_chunks(loaded, [[s] for s in seqs])
+
+
+def paged_batch(specs: list[tuple[int, int]], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
+    """Metadata for sequences given as (seq_len, query_len), decodes (query_len 1) first, their
+    blocks drawn from a shuffled pool."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, slots, qsl = [], [], [0]
+    for seq_len, q_len in specs:
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
+        qsl.append(qsl[-1] + q_len)
+    width = max(map(len, tables))
+    seq_lens = [s for s, _ in specs]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        seq_lens=torch.tensor(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        num_decodes=next((i for i, (_, q) in enumerate(specs) if q > 1), len(specs)), block_size=block_size,
+    )
+
+
+def dense_attention(q, cache, meta, scale, num_heads, num_kv_heads):
+    """Each sequence's queries against its keys, by the formula: softmax(q k^T * scale) v with key
+    p visible to query i iff p <= seq_len - q_len + i."""
+    out = torch.empty_like(q)
+    bs = meta.block_size
+    for s, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = meta.query_start_loc_cpu[s], meta.query_start_loc_cpu[s + 1]
+        slots = [int(meta.block_tables[s, p // bs]) * bs + p % bs for p in range(seq_len)]
+        keys = cache[0].flatten(0, 1)[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        values = cache[1].flatten(0, 1)[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * scale
+        visible = torch.arange(seq_len)[None, :] <= torch.arange(end - start)[:, None] + seq_len - (end - start)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
+    return out

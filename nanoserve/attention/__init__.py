@@ -4,24 +4,35 @@ import os
 
 import torch
 
+from nanoserve.attention.cpu_paged import CpuPagedAttention, load_paged_attention
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.attention.torch_ref import TorchAttention
 from nanoserve.attention.triton_backend import TritonAttention
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "TorchAttention", "TritonAttention",
-           "select_backend"]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "CpuPagedAttention", "TorchAttention",
+           "TritonAttention", "select_backend"]
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "cpu", "torch", "triton")
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'auto' is triton on CUDA devices and torch elsewhere; 'torch' and 'triton' force one.
-    Raises ValueError for an unknown name or for triton off CUDA (unless TRITON_INTERPRET=1 runs its
-    kernels on the CPU), ImportError for triton without the package."""
+    """'auto' is triton on CUDA devices, elsewhere the C++ kernel of 'cpu' where it builds and torch
+    where it does not; 'cpu', 'torch' and 'triton' force one. Raises ValueError for an unknown name,
+    for triton off CUDA (unless TRITON_INTERPRET=1 runs its kernels on the CPU), for cpu on another
+    device or without a working C++ compiler; ImportError for triton without the package."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"the triton attention backend runs on CUDA devices, not {device.type}; use torch")
-    return TritonAttention() if name == "triton" else TorchAttention()
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        return TritonAttention()
+    if name == "torch":
+        return TorchAttention()
+    if device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on the CPU, not {device.type}")
+    kernel = load_paged_attention()
+    if kernel is not None:
+        return CpuPagedAttention(kernel)
+    if name == "cpu":
+        raise ValueError("the cpu attention backend needs a working C++ compiler (g++ or $CXX); use torch")
+    return TorchAttention()

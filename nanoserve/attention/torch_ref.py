@@ -103,11 +103,21 @@ class TorchAttention(AttentionBackend):
         short = [s for s in range(nd, meta.num_seqs) if qsl[s + 1] - qsl[s] <= SHORT_QUERY_MAX]
         if short:
             self._short_queries(q, k_cache, v_cache, meta, short, scale, out)
-        for s in range(nd, meta.num_seqs):
+        long = [s for s in range(nd, meta.num_seqs) if qsl[s + 1] - qsl[s] > SHORT_QUERY_MAX]
+        if long:
+            self._attend_long(q, k_cache, v_cache, meta, long, scale, out)
+        return out
+
+    @staticmethod
+    def _attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     seqs: list[int], scale: float, out: torch.Tensor) -> None:
+        """Attends the queries of `seqs` one sequence at a time (one SDPA call over its gathered
+        context each, causal among its new tokens) and writes the results into `out`."""
+        qsl = meta.query_start_loc_cpu
+        _, bs, kvh, d = k_cache.shape
+        for s in seqs:
             start, end, seq_len = qsl[s], qsl[s + 1], meta.seq_lens_cpu[s]
             q_len = end - start
-            if q_len <= SHORT_QUERY_MAX:
-                continue
             nblk = -(-seq_len // bs)
             blocks = meta.block_tables[s, :nblk]
             ks = k_cache.index_select(0, blocks).view(-1, kvh, d)[:seq_len].transpose(0, 1)
@@ -121,7 +131,6 @@ class TorchAttention(AttentionBackend):
                 scale=scale, enable_gqa=True,
             )
             out[start:end] = o.transpose(0, 1)
-        return out
 
     @staticmethod
     def _short_queries(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

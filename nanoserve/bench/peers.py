@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from nanoserve.bench.throughput import RunStats, Workload
+from nanoserve.cache import cache_root
 
 PEERS = ("hf-sequential", "hf-static", "hf-cb", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-batch")
 _GGUF_TYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
@@ -161,7 +162,7 @@ def gguf_for(model_dir: Path, out_type: str, cache_dir: Path | None = None) -> P
     files = safetensors_files(model_dir)
     key = hashlib.sha256(repr([str(model_dir.resolve())] + [(f.stat().st_size, f.stat().st_mtime_ns)
                                                              for f in files]).encode()).hexdigest()[:12]
-    cache = cache_dir or Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+    cache = cache_dir or cache_root()
     out = cache / "gguf" / f"{model_dir.name}-{key}-{out_type}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

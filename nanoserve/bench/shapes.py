@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from nanoserve.cache import cache_root
 from nanoserve.model.config import ModelConfig
 
 _COMMON: dict[str, Any] = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02,
@@ -131,7 +132,7 @@ def shape_checkpoint(name: str, overrides: dict[str, Any] | None = None, seed: i
     for f in _TOKENIZER_FILES:
         digest.update((tokenizer_dir / f).read_bytes())
     if cache_dir is None:
-        cache_dir = Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+        cache_dir = cache_root()
     path = Path(cache_dir) / f"shape-{name}-{digest.hexdigest()[:12]}"
     if path.is_dir():
         return path

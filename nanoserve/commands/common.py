@@ -25,7 +25,8 @@ _HELP = {
     "num_speculative_tokens": "drafts verified per step and sequence",
     "speculative_min_confidence": "a draft model stops drafting for a sequence after a draft it gave less than this "
                                   "probability (0: always draft --num-speculative-tokens)",
-    "attention_backend": "auto (triton on CUDA, torch elsewhere), torch or triton",
+    "attention_backend": "auto (triton on CUDA; elsewhere cpu, the C++ paged kernel, where it builds, else torch), "
+                         "cpu, torch or triton",
     "gpu_memory_utilization": "CUDA: share of GPU memory for weights, activations and the KV pool (sizes the pool "
                               "unless --kv-cache-memory or --num-kv-blocks is given)",
     "enforce_eager": "CUDA: run decode steps eagerly, without CUDA graphs",

@@ -32,7 +32,7 @@ class EngineArgs:
     speculative_model: str | None = None  # the draft model (implies speculative_method="draft")
     num_speculative_tokens: int = 4
     speculative_min_confidence: float = 0.4  # draft model: stop after a draft given less probability
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch or triton
+    attention_backend: str = "auto"  # auto (triton on CUDA; cpu, else torch, elsewhere), cpu, torch or triton
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 

@@ -33,6 +33,7 @@ from typing import Any
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
 
+from nanoserve.cache import cache_root
 from nanoserve.model.loader import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ def demo_draft_path(cache_dir: Path | None = None) -> Path:
 
 def _cached_checkpoint(cache_dir: Path | None, draft: bool) -> Path:
     if cache_dir is None:
-        cache_dir = Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+        cache_dir = cache_root()
     kind = "demo-draft-qwen3" if draft else "demo-qwen3"
     path = Path(cache_dir) / f"{kind}-{_recipe_hash(draft)}"
     if path.is_dir():

@@ -1,0 +1,295 @@
+// Paged attention for short queries on the CPU, straight from the block pool.
+//
+// Built at first use by nanoserve/attention/cpu_paged.py (g++ -O3 -march=native -fopenmp) and
+// called through ctypes with raw pointers; it includes no torch header, so it builds in about a
+// second. OpenMP resolves to the libgomp that torch has already loaded (same soname).
+//
+// For each listed sequence s and KV head h, the query rows of every query head sharing h (GQA) and
+// every new token of s are attended together: one pass over s's blocks reads each key and value
+// once for all of them. Query token i of a sequence with q_len new tokens and seq_len tokens in
+// all sees the keys at positions <= seq_len - q_len + i (causal among the new tokens). Softmax is
+// online (flash-decoding): per block, scores for all rows, one rescale of the accumulators, then
+// the weighted sum of the block's values. The running maxima start at a finite sentinel, so no
+// infinity ever enters the arithmetic.
+//
+// Layouts (all contiguous): q and out [num_tokens, num_heads, head_dim]; the layer's cache
+// [2, num_blocks, block_size, num_kv_heads, head_dim] (K plane, then V plane); block_tables
+// [num_seqs, table_stride]; seq_lens [num_seqs]; query_start [num_seqs + 1]; seq_ids lists the
+// sequences to attend (others' rows of out are left untouched).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr float kMasked = -1e30f;
+
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, uint16_t* dst) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *dst = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+// Eight floats in one vector register (GCC vector extension: AVX on x86, two NEON registers on
+// ARM); `uvec8` is the same read from memory aligned only to a float.
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float uvec8 __attribute__((vector_size(32), aligned(4)));
+constexpr int kLanes = 8;
+
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+
+// e^x for x <= 0, lane by lane (every argument here is a score minus a running maximum), within a
+// few ulp: 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial for e^r on
+// [-ln2/2, ln2/2]. Written on vectors, so it needs no -ffast-math (which, in a shared library,
+// would switch the whole process to flush-to-zero) to run eight lanes at a time.
+inline vec8 exp_nonpositive(vec8 x) {
+  x = x < -87.0f ? vec8{} - 87.0f : x;  // keeps 2^n a normal float
+  const vec8 y = x * 1.44269504088896341f + 0.5f;
+  ivec8 n = __builtin_convertvector(y, ivec8);  // truncation; then floor for negative y
+  n += (__builtin_convertvector(n, vec8) > y);  // a true lane is -1
+  const vec8 nf = __builtin_convertvector(n, vec8);
+  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts
+  vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const ivec8 bits = (n + 127) << 23;
+  vec8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float hsum(vec8 v) {  // pairwise, in three shuffle-and-add steps
+  typedef float vec4 __attribute__((vector_size(16)));
+  vec4 x = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2);
+  return x[0];
+}
+
+// A block's keys (or values) for one KV head, as rows of NVEC vectors of float: read in place
+// for a float cache, widened into `buf` for bfloat16. Row t starts at base + t * stride floats.
+template <int NVEC>
+struct Rows {
+  const float* base;
+  int64_t stride;
+  vec8 at(int t, int j) const { return *reinterpret_cast<const uvec8*>(base + t * stride + j * kLanes); }
+};
+
+template <int NVEC>
+Rows<NVEC> block_rows(const float* src, int64_t token_stride, int /*n*/, vec8* /*buf*/) {
+  return {src, token_stride};
+}
+
+template <int NVEC>
+Rows<NVEC> block_rows(const uint16_t* src, int64_t token_stride, int n, vec8* buf) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  for (int t = 0; t < n; ++t)
+    for (int j = 0; j < NVEC; ++j) {
+      u16x8 raw;
+      std::memcpy(&raw, src + t * token_stride + j * kLanes, sizeof raw);
+      const u32x8 wide = __builtin_convertvector(raw, u32x8) << 16;  // bfloat16 is a float's top half
+      std::memcpy(buf + t * NVEC + j, &wide, sizeof wide);
+    }
+  return {reinterpret_cast<const float*>(buf), NVEC * kLanes};
+}
+
+// s[t] = q . k[t] for t < n: four keys at a time, so four independent FMA chains are in flight.
+template <int NVEC>
+inline void dot_keys(const vec8* q, const Rows<NVEC>& k, int n, float* s) {
+  int t = 0;
+  for (; t + 4 <= n; t += 4) {
+    vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int j = 0; j < NVEC; ++j) {
+      a0 += q[j] * k.at(t, j);
+      a1 += q[j] * k.at(t + 1, j);
+      a2 += q[j] * k.at(t + 2, j);
+      a3 += q[j] * k.at(t + 3, j);
+    }
+    s[t] = hsum(a0), s[t + 1] = hsum(a1), s[t + 2] = hsum(a2), s[t + 3] = hsum(a3);
+  }
+  for (; t < n; ++t) {
+    vec8 a = {};
+    for (int j = 0; j < NVEC; ++j) a += q[j] * k.at(t, j);
+    s[t] = hsum(a);
+  }
+}
+
+// acc = acc * rescale + sum_t p[t] v[t] for t < n, eight vectors of the row at a time kept in
+// registers across the block's values (eight independent FMA chains).
+template <int NVEC>
+inline void accumulate_values(vec8* acc, const Rows<NVEC>& v, const float* p, float rescale, int n) {
+  constexpr int kChunk = NVEC < 8 ? NVEC : 8;
+  static_assert(NVEC % kChunk == 0, "head sizes are 32 or multiples of 64");
+  for (int j = 0; j < NVEC; j += kChunk) {
+    vec8 c[kChunk];
+    for (int i = 0; i < kChunk; ++i) c[i] = acc[j + i] * rescale;
+    for (int t = 0; t < n; ++t)
+      for (int i = 0; i < kChunk; ++i) c[i] += p[t] * v.at(t, j + i);
+    for (int i = 0; i < kChunk; ++i) acc[j + i] = c[i];
+  }
+}
+
+template <typename T>
+inline void load_query(const T* src, float scale, vec8* dst, int nvec);
+template <>
+inline void load_query(const float* src, float scale, vec8* dst, int nvec) {
+  for (int j = 0; j < nvec; ++j) dst[j] = *reinterpret_cast<const uvec8*>(src + j * kLanes) * scale;
+}
+template <>
+inline void load_query(const uint16_t* src, float scale, vec8* dst, int nvec) {
+  for (int j = 0; j < nvec; ++j)
+    for (int i = 0; i < kLanes; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(src[j * kLanes + i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      dst[j][i] = f * scale;
+    }
+}
+
+// Attends every query row of sequence s: row r is new token r / num_heads and query head
+// r % num_heads, reading KV head (r % num_heads) / group. The blocks are walked once, each one's K
+// and V for all heads read as two contiguous runs, and the next block is prefetched meanwhile
+// (block tables scatter blocks, which hardware prefetchers cannot follow).
+template <typename T, int NVEC>
+void attend_sequence(const T* q, const T* cache, T* out, const int64_t* table, int64_t seq_len, int64_t q_start,
+                     int64_t q_len, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                     int64_t num_blocks, float scale) {
+  constexpr int64_t head_dim = NVEC * kLanes;
+  const int64_t group = num_heads / num_kv_heads;
+  const int rows = static_cast<int>(q_len * num_heads);
+  const int64_t v_plane = num_blocks * block_size * num_kv_heads * head_dim;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_elems = block_size * token_stride;
+
+  std::vector<vec8> qv(static_cast<size_t>(rows) * NVEC), acc(qv.size());
+  std::vector<float> m(rows, kMasked), l(rows, 0.0f), scores((block_size + kLanes - 1) / kLanes * kLanes);
+  std::vector<vec8> kbuf(std::is_same_v<T, float> ? 0 : block_size * NVEC), vbuf(kbuf.size());
+  for (int r = 0; r < rows; ++r)  // rows are laid out as q is: token-major, then head
+    load_query(q + (q_start * num_heads + r) * head_dim, scale, qv.data() + r * NVEC, NVEC);
+
+  const int64_t nblk = (seq_len + block_size - 1) / block_size;
+  const int64_t first_limit = seq_len - q_len;  // the last key that new token 0 may see
+  for (int64_t b = 0; b < nblk; ++b) {
+    if (b + 1 < nblk) {
+      const char* next_k = reinterpret_cast<const char*>(cache + table[b + 1] * block_elems);
+      const char* next_v = reinterpret_cast<const char*>(cache + v_plane + table[b + 1] * block_elems);
+      for (size_t off = 0; off < block_elems * sizeof(T); off += 64) {
+        __builtin_prefetch(next_k + off);
+        __builtin_prefetch(next_v + off);
+      }
+    }
+    const int64_t first = b * block_size;
+    const int n = static_cast<int>(std::min<int64_t>(block_size, seq_len - first));
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const T* kb = cache + table[b] * block_elems + h * head_dim;
+      const Rows<NVEC> keys = block_rows<NVEC>(kb, token_stride, n, kbuf.data());
+      const Rows<NVEC> values = block_rows<NVEC>(kb + v_plane, token_stride, n, vbuf.data());
+      for (int64_t tok = 0; tok < q_len; ++tok) {
+        const int visible = static_cast<int>(std::clamp<int64_t>(first_limit + tok - first + 1, 0, n));
+        if (visible == 0) continue;
+        for (int64_t r = tok * num_heads + h * group; r < tok * num_heads + (h + 1) * group; ++r) {
+          float* s = scores.data();
+          dot_keys(qv.data() + r * NVEC, keys, visible, s);
+          float m_new = m[r];
+          for (int t = 0; t < visible; ++t) m_new = std::max(m_new, s[t]);
+          const float rescale = exp_nonpositive(vec8{} + (m[r] - m_new))[0];
+          vec8 sum = {};
+          for (int t = 0; t < visible; t += kLanes) {  // `scores` has room for whole vectors
+            vec8 e;
+            std::memcpy(&e, s + t, sizeof e);
+            e = exp_nonpositive(e - m_new);
+            for (int i = visible - t; i < kLanes; ++i) e[i] = 0.0f;  // past the visible keys
+            std::memcpy(s + t, &e, sizeof e);
+            sum += e;
+          }
+          l[r] = l[r] * rescale + hsum(sum);
+          m[r] = m_new;
+          accumulate_values(acc.data() + r * NVEC, values, s, rescale, visible);
+        }
+      }
+    }
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    T* dst = out + (q_start * num_heads + r) * head_dim;
+    const float inv = 1.0f / l[r];  // l >= 1: every row sees at least key 0
+    for (int j = 0; j < NVEC; ++j)
+      for (int i = 0; i < kLanes; ++i) from_float(acc[r * NVEC + j][i] * inv, dst + j * kLanes + i);
+  }
+}
+
+template <typename T, int NVEC>
+void attend_listed(const T* q, const T* cache, T* out, const int64_t* block_tables, int64_t table_stride,
+                   const int64_t* seq_lens, const int64_t* query_start, const int64_t* seq_ids, int64_t num_listed,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t num_blocks, float scale,
+                   int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
+  for (int64_t i = 0; i < num_listed; ++i) {
+    const int64_t s = seq_ids[i];
+    attend_sequence<T, NVEC>(q, cache, out, block_tables + s * table_stride, seq_lens[s], query_start[s],
+                             query_start[s + 1] - query_start[s], num_heads, num_kv_heads, block_size, num_blocks,
+                             scale);
+  }
+}
+
+// Dispatches on the head size; returns false for one not compiled in.
+template <typename T>
+bool paged_attention(const T* q, const T* cache, T* out, const int64_t* block_tables, int64_t table_stride,
+                     const int64_t* seq_lens, const int64_t* query_start, const int64_t* seq_ids,
+                     int64_t num_listed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t block_size, int64_t num_blocks, float scale, int num_threads) {
+  switch (head_dim) {
+#define NANOSERVE_HEAD_DIM(D)                                                                                     \
+  case D:                                                                                                         \
+    attend_listed<T, D / kLanes>(q, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids,      \
+                                 num_listed, num_heads, num_kv_heads, block_size, num_blocks, scale, num_threads); \
+    return true;
+    NANOSERVE_HEAD_DIM(32)
+    NANOSERVE_HEAD_DIM(64)
+    NANOSERVE_HEAD_DIM(128)
+    NANOSERVE_HEAD_DIM(256)
+#undef NANOSERVE_HEAD_DIM
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The entry points return 1 when they ran, 0 for a head size not compiled in (32, 64, 128, 256;
+// the caller checks first).
+int nanoserve_paged_attention_f32(const float* q, const float* cache, float* out, const int64_t* block_tables,
+                                   int64_t table_stride, const int64_t* seq_lens, const int64_t* query_start,
+                                   const int64_t* seq_ids, int64_t num_listed, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                                   float scale, int num_threads) {
+  return paged_attention(q, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids, num_listed,
+                         num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
+}
+
+int nanoserve_paged_attention_bf16(const uint16_t* q, const uint16_t* cache, uint16_t* out,
+                                    const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
+                                    const int64_t* query_start, const int64_t* seq_ids, int64_t num_listed,
+                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                    int64_t num_blocks, float scale, int num_threads) {
+  return paged_attention(q, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids, num_listed,
+                         num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
+}
+
+}  // extern "C"

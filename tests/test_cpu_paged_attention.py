@@ -1,0 +1,141 @@
+"""The CPU attention backend: the C++ paged-attention kernel against dense attention computed one
+sequence at a time, its fallbacks, how it is built and cached, and how 'auto' selects it.
+
+The kernel is built with the machine's g++ (CI machines have one); on a machine without a compiler
+these tests skip, and only then, since `select_backend('auto')` falls back to torch there."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from nanoserve.attention import CpuPagedAttention, TorchAttention, select_backend
+from nanoserve.attention.cpu_paged import HEAD_DIMS, load_paged_attention
+from nanoserve.attention.torch_ref import SHORT_QUERY_MAX
+
+from support import dense_attention, paged_batch
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory) -> CpuPagedAttention:
+    kernel = load_paged_attention(tmp_path_factory.mktemp("kernels"))
+    assert kernel is not None, "g++ is installed, so the kernel must build"
+    return CpuPagedAttention(kernel)
+
+
+def _inputs(specs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed):
+    num_blocks = sum(-(-s // block_size) for s, _ in specs) + 8
+    meta = paged_batch(specs, block_size, num_blocks, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    n = meta.query_start_loc_cpu[-1]
+    q = torch.randn(n, num_heads, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    # A random pool, so a padding slot or a future token that leaked into attention would show.
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v, cache, meta
+
+
+def _expected(q, k, v, cache, meta, scale):
+    """Dense attention in float64 over the pool after the step's K/V are written."""
+    full = cache.double().clone()
+    *_, kvh, d = full.shape
+    full[0].view(-1, kvh, d)[meta.slot_mapping] = k.double()
+    full[1].view(-1, kvh, d)[meta.slot_mapping] = v.double()
+    return dense_attention(q.double(), full, meta, scale, q.shape[1], kvh)
+
+
+SPECS = {
+    "decodes": [(1, 1), (17, 1), (300, 1), (64, 1), (33, 1)],
+    "decodes and drafts": [(9, 1), (30, 5), (17, 5), (40, 5), (3, 2)],
+    "short prefills": [(25, 4), (16, 16), (8, 8), (1, 1)],
+    "with long chunks": [(20, 1), (60, SHORT_QUERY_MAX + 9), (33, 5), (40, 40), (7, 3)],
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (2, 2, 32), (8, 2, 128), (4, 1, 256)])
+def test_fp32_matches_dense_attention(backend, name, block_size, num_heads, num_kv_heads, head_dim):
+    q, k, v, cache, meta = _inputs(SPECS[name], block_size, num_heads, num_kv_heads, head_dim, torch.float32,
+                                   seed=block_size + head_dim)
+    scale = head_dim**-0.5
+    expected = _expected(q, k, v, cache, meta, scale)
+    out = backend.forward(q, k, v, cache, meta, scale)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    # The step's K/V went into the pool at their slots.
+    torch.testing.assert_close(cache[0].view(-1, num_kv_heads, head_dim)[meta.slot_mapping], k)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_bf16_matches_dense_attention(backend, name):
+    q, k, v, cache, meta = _inputs(SPECS[name], 16, 4, 2, 64, torch.bfloat16, seed=7)
+    expected = _expected(q, k, v, cache, meta, 0.125)
+    out = backend.forward(q, k, v, cache, meta, 0.125)
+    assert out.dtype == torch.bfloat16
+    # One bf16 rounding of the result (relative 2^-8) on values of order 1.
+    torch.testing.assert_close(out.double(), expected, atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_extreme_scores_stay_finite(backend):
+    """Scores in the hundreds: the online softmax's rescaling must neither overflow nor lose the
+    one dominant key."""
+    q, k, v, cache, meta = _inputs([(50, 1), (70, 3)], 16, 4, 2, 64, torch.float32, seed=3)
+    q = q * 40
+    out = backend.forward(q, k, v, cache, meta, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _expected(q, k, v, cache, meta, 0.125), atol=1e-4, rtol=1e-4)
+
+
+def test_head_size_without_a_build_falls_back_to_torch(backend):
+    assert 48 not in HEAD_DIMS
+    q, k, v, cache, meta = _inputs(SPECS["decodes and drafts"], 4, 4, 2, 48, torch.float32, seed=5)
+    out = backend.forward(q, k, v, cache, meta, 48**-0.5)
+    torch.testing.assert_close(out.double(), _expected(q, k, v, cache, meta, 48**-0.5), atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_refuses_non_contiguous_input(backend):
+    q, _, _, cache, meta = _inputs([(20, 1)], 16, 4, 2, 64, torch.float32, seed=1)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="contiguous"):
+        backend.kernel(q, cache[:, :, :, :1], out, meta.block_tables, meta.seq_lens,
+                       torch.tensor(meta.query_start_loc_cpu), torch.tensor([0]), 0.125, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_give_the_same_result(backend, threads):
+    q, k, v, cache, meta = _inputs(SPECS["decodes and drafts"] * 4, 16, 4, 2, 64, torch.float32, seed=11)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = backend.forward(q, k, v, cache.clone(), meta, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out.double(), _expected(q, k, v, cache, meta, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_built_once_per_machine_and_source(tmp_path):
+    assert load_paged_attention(tmp_path) is not None
+    (built,) = (tmp_path / "kernels").glob("paged_attention-*.so")
+    mtime = built.stat().st_mtime_ns
+    assert load_paged_attention(tmp_path) is not None
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [built.name]  # no temporary left behind
+    assert built.stat().st_mtime_ns == mtime
+
+
+def test_selection(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    cpu = torch.device("cpu")
+    assert isinstance(select_backend("auto", cpu), CpuPagedAttention)
+    assert isinstance(select_backend("cpu", cpu), CpuPagedAttention)
+    assert type(select_backend("torch", cpu)) is TorchAttention
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "empty"))
+    assert type(select_backend("auto", cpu)) is TorchAttention  # warns, serves with torch
+    with pytest.raises(ValueError, match="C\\+\\+ compiler"):
+        select_backend("cpu", cpu)
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        select_backend("cpu", torch.device("meta"))
