@@ -139,3 +139,17 @@ def test_selection(monkeypatch, tmp_path):
         select_backend("cpu", cpu)
     with pytest.raises(ValueError, match="runs on the CPU"):
         select_backend("cpu", torch.device("meta"))
+
+
+def test_empty_sequence_gets_zeros(backend):
+    """A padding row of a fixed-size batch (seq_len 0, as CUDA-graph padding makes) attends to
+    nothing: zeros, not the NaN of 0/0, and its neighbours are unaffected."""
+    q, k, v, cache, meta = _inputs([(20, 1), (9, 1)], 16, 4, 2, 64, torch.float32, seed=2)
+    expected = backend.forward(q, k, v, cache, meta, 0.125)
+    seq_lens = meta.seq_lens.clone()
+    seq_lens[1] = 0
+    out = torch.full_like(q, float("nan"))
+    backend.kernel(q, cache, out, meta.block_tables, seq_lens, torch.tensor(meta.query_start_loc_cpu),
+                   torch.tensor([0, 1]), 0.125, 1)
+    assert (out[1] == 0).all()
+    torch.testing.assert_close(out[0], expected[0])

@@ -4,13 +4,14 @@
 // called through ctypes with raw pointers; it includes no torch header, so it builds in about a
 // second. OpenMP resolves to the libgomp that torch has already loaded (same soname).
 //
-// For each listed sequence s and KV head h, the query rows of every query head sharing h (GQA) and
-// every new token of s are attended together: one pass over s's blocks reads each key and value
-// once for all of them. Query token i of a sequence with q_len new tokens and seq_len tokens in
-// all sees the keys at positions <= seq_len - q_len + i (causal among the new tokens). Softmax is
-// online (flash-decoding): per block, scores for all rows, one rescale of the accumulators, then
-// the weighted sum of the block's values. The running maxima start at a finite sentinel, so no
-// infinity ever enters the arithmetic.
+// For each listed sequence, every query row (each new token times each query head) is attended in
+// one pass over the sequence's blocks: each block's keys and values are read once, for each KV
+// head serving all the query heads that share it (GQA) and all the new tokens. Query token i of a
+// sequence with q_len new tokens and seq_len tokens in all sees the keys at positions
+// <= seq_len - q_len + i (causal among the new tokens). Softmax is online (flash-decoding): per
+// block and row, the scores, one rescale of the accumulator, then the weighted sum of the block's
+// values. The running maxima start at a finite sentinel, so no infinity enters the arithmetic.
+// Sequences are shared among `num_threads` OpenMP threads; each writes only its own rows of out.
 //
 // Layouts (all contiguous): q and out [num_tokens, num_heads, head_dim]; the layer's cache
 // [2, num_blocks, block_size, num_kv_heads, head_dim] (K plane, then V plane); block_tables
@@ -26,7 +27,7 @@
 
 namespace {
 
-constexpr float kMasked = -1e30f;
+constexpr float kMasked = -1e30f;  // the running maximum before any key
 
 inline void from_float(float x, float* dst) { *dst = x; }
 inline void from_float(float x, uint16_t* dst) {  // round to nearest even, as torch does
@@ -226,7 +227,9 @@ void attend_sequence(const T* q, const T* cache, T* out, const int64_t* table, i
 
   for (int r = 0; r < rows; ++r) {
     T* dst = out + (q_start * num_heads + r) * head_dim;
-    const float inv = 1.0f / l[r];  // l >= 1: every row sees at least key 0
+    // l >= 1 for a row that sees any key; a row of an empty sequence (seq_len 0, as padding rows
+    // of a fixed-size batch are) sees none and gets zeros.
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     for (int j = 0; j < NVEC; ++j)
       for (int i = 0; i < kLanes; ++i) from_float(acc[r * NVEC + j][i] * inv, dst + j * kLanes + i);
   }
