@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
 
 from nanoserve.model import ModelLoadError, UnsupportedModelError, load_model
+from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps, select_layer_ops
 
 from conftest import FAMILIES
 from support import forward_chunks, full_logits
@@ -29,10 +31,16 @@ def _hf_logits(path, seqs):
         return [hf(torch.tensor([s])).logits[0] for s in seqs]
 
 
+@pytest.mark.parametrize("ops", ["torch", "cpu"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_transformers(make_checkpoint, family):
+def test_logits_match_transformers(make_checkpoint, family, ops):
+    """With the reference layer ops and with the fused C++ ones (where g++ exists)."""
+    if ops == "cpu" and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
     path = make_checkpoint(family)
     loaded = load_model(path, dtype=torch.float32)
+    loaded.model.ops = select_layer_ops(ops, torch.device("cpu"), torch.float32)
+    assert isinstance(loaded.model.ops, CpuLayerOps if ops == "cpu" else TorchLayerOps)
     seqs = _random_seqs(loaded.config.vocab_size)
     ours = full_logits(loaded, seqs)
     ref = _hf_logits(path, seqs)
@@ -52,6 +60,22 @@ def test_bf16_close_to_fp32(make_checkpoint):
     for a, b in zip(fp32, bf16, strict=True):
         assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
+def test_bf16_fused_layer_ops_match_torch(make_checkpoint):
+    """In bf16 the fused C++ steps round wherever torch does, so whole-model logits agree with the
+    torch path's (on this machine, bit for bit) up to what a different fp32 summation order can flip
+    in a bf16 rounding: one bf16 step at the largest logit."""
+    path = make_checkpoint("qwen3")
+    seqs = _random_seqs(1000, seed=2)
+    loaded = load_model(path, dtype="bfloat16")
+    ref = full_logits(loaded, seqs)
+    loaded.model.ops = select_layer_ops("cpu", torch.device("cpu"), torch.bfloat16)
+    fused = full_logits(loaded, seqs)
+    for a, b in zip(ref, fused, strict=True):
+        assert (a - b).abs().max().item() <= 2**-7 * a.abs().max().item()
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.98
 
 
 def test_unsupported_architecture_is_named(make_checkpoint, tmp_path):

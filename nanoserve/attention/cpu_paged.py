@@ -2,27 +2,18 @@
 
 `TorchAttention` gathers each sequence's blocks into a padded copy before attending; at 64 decodes
 of a few hundred tokens that copy and SDPA's padded pass are about 40% of a step. The kernel in
-`csrc/paged_attention.cpp` reads K and V straight from the block pool, once per KV head for all the
+`nanoserve/csrc/paged_attention.cpp` reads K and V straight from the block pool, once per KV head for all the
 query heads and new tokens that share it, with an online softmax. Longer prefill chunks (more than
 `SHORT_QUERY_MAX` new tokens) still go through `TorchAttention`'s per-sequence SDPA, whose blocked
 GEMMs suit long queries better.
 
-The kernel is compiled on first use with the system's C++ compiler ($CXX, else g++) into
-$NANOSERVE_CACHE/kernels, under a name that hashes the source, the flags, the compiler's version
-and the CPU's feature flags (it is built for the CPU it runs on), and loaded with ctypes. Where no
-compiler works, `load_paged_attention` returns None and 'auto' selects `TorchAttention`.
+The kernel is part of the library that `nanoserve.native` compiles on first use; where no compiler
+works, `load_paged_attention` returns None and 'auto' selects `TorchAttention`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,19 +21,15 @@ import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.attention.torch_ref import SHORT_QUERY_MAX, TorchAttention, write_kv
-from nanoserve.cache import cache_root
+from nanoserve.native import load_cpu_kernels
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 HEAD_DIMS = frozenset((32, 64, 128, 256))  # compiled into the kernel
 _SUPPORTED = {torch.float32: "nanoserve_paged_attention_f32", torch.bfloat16: "nanoserve_paged_attention_bf16"}
 
 
 class PagedAttentionKernel:
     """The loaded kernel. Invariant: `__call__` only sees CPU tensors of one supported dtype and a
-    head size in HEAD_DIMS, laid out as `csrc/paged_attention.cpp` states."""
+    head size in HEAD_DIMS, laid out as `nanoserve/csrc/paged_attention.cpp` states."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -77,50 +64,10 @@ class PagedAttentionKernel:
 
 
 def load_paged_attention(cache_dir: Path | None = None) -> PagedAttentionKernel | None:
-    """The kernel, compiled first if this machine has no build of the current source yet; None
-    (with a warning) when it cannot be built or loaded."""
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        log.warning("no C++ compiler (%s) found; the CPU paged-attention kernel is off", compiler)
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256()
-        for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_features().encode()):
-            key.update(part)
-        path = (cache_dir or cache_root()) / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
-        if not path.exists():
-            _compile(compiler, path)
-        return PagedAttentionKernel(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
-        log.warning("the CPU paged-attention kernel could not be built or loaded (%s); using torch attention",
-                    detail)
-        return None
-
-
-def _compile(compiler: str, path: Path) -> None:
-    """Builds the library under a temporary name beside `path` and renames it into place, so a
-    concurrent process sees either no file or a whole one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        log.info("compiling the CPU paged-attention kernel into %s (first use)", path)
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def _cpu_features() -> str:
-    """The CPU's feature flags (Linux), else the platform's processor string: what -march=native
-    compiled for."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
+    """The kernel from nanoserve's CPU kernel library (built first if needed); None (with a
+    warning) when the library cannot be built or loaded."""
+    lib = load_cpu_kernels(cache_dir)
+    return None if lib is None else PagedAttentionKernel(lib)
 
 
 class CpuPagedAttention(TorchAttention):

@@ -20,6 +20,7 @@ from nanoserve.engine.model_runner import KVShape
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import NgramProposer, Proposer
 from nanoserve.model import CausalLM, LoadedModel, load_model
+from nanoserve.model.layer_ops import select_layer_ops
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,13 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     kv_shape = KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     bytes_per_block = kv_shape.bytes_per_block(args.block_size, loaded.model.dtype)
     device = torch.device(args.device)
+    loaded.model.ops = select_layer_ops(args.attention_backend, device, loaded.model.dtype)
     draft: LoadedModel | None = None
     if args.spec_method == "draft":
         draft = load_model(args.speculative_model, dtype=loaded.model.dtype, device=device)
         if draft.tokenizer.backend.get_vocab() != loaded.tokenizer.backend.get_vocab():
             raise ValueError(f"the draft model {args.speculative_model} does not share the target's tokenizer")
+        draft.model.ops = loaded.model.ops
         dc = draft.config
         draft_shape = KVShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim)
         bytes_per_block += draft_shape.bytes_per_block(args.block_size, loaded.model.dtype)  # the draft's pool too

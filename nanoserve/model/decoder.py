@@ -14,7 +14,8 @@ from torch import nn
 
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.layers import RMSNorm, SwiGLU, apply_rope, empty_param, rope_cos_sin, rope_inv_freq
+from nanoserve.model.layer_ops import LayerOps, TorchLayerOps
+from nanoserve.model.layers import RMSNorm, SwiGLU, empty_param, rope_cos_sin, rope_inv_freq
 
 
 class Attention(nn.Module):
@@ -29,36 +30,30 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.eps = cfg.rms_norm_eps
         self.qkv_proj = empty_param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
         self.qkv_bias = empty_param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
         self.o_proj = empty_param(cfg.hidden_size, self.q_size, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend, ops: LayerOps) -> torch.Tensor:
         n = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = ops.linear(x, self.qkv_proj, self.qkv_bias)
+        q_weight = None if self.q_norm is None else self.q_norm.weight
+        k_weight = None if self.k_norm is None else self.k_norm.weight
+        q, k = ops.qk_norm_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, q_weight, k_weight,
+                                self.eps)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
-        return F.linear(o.reshape(n, self.q_size), self.o_proj)
+        return ops.linear(o.reshape(n, self.q_size), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm block on a residual stream: h += attn(norm(h)); h += mlp(norm(h)). Each add is
+    fused into the norm after it (`LayerOps.rms_norm` with a residual), so a layer takes the
+    previous sublayer's output and the residual stream, and returns its MLP's output and the stream."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -67,27 +62,28 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
+                ops: LayerOps) -> torch.Tensor:
+        """`x` is added into `residual` (in place) before anything else; returns the MLP's output,
+        which the caller adds in the same way."""
+        norm = self.input_layernorm
+        h = self.self_attn(ops.rms_norm(x, norm.weight, norm.eps, residual), cos, sin, kv_cache, meta, backend, ops)
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        h = ops.silu_mul(ops.linear(ops.rms_norm(h, norm.weight, norm.eps, residual), mlp.gate_up_proj))
+        return ops.linear(h, mlp.down_proj)
 
 
 class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head. Parameters are created empty; a loader
-    must fill every one (see `nanoserve.model.weights.load_weights`)."""
+    must fill every one (see `nanoserve.model.weights.load_weights`). `ops` carries out the
+    elementwise steps (`TorchLayerOps` unless the engine picks fused kernels for its device)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
+        self.ops: LayerOps = TorchLayerOps()
         self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -106,14 +102,15 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden_size] (normed)."""
-        x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        residual = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, residual.dtype)
+        x = torch.zeros_like(residual)  # what the first layer adds into the stream
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], meta, backend)
-        return self.norm(x)
+            x = layer(x, residual, cos, sin, kv_caches[i], meta, backend, self.ops)
+        return self.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] for the given rows of hidden states."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return self.ops.linear(hidden, head).float()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.model.config import RopeScaling
@@ -17,18 +16,21 @@ def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, computed in fp32 and cast back
+    to x's dtype before the product with the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back to x's dtype."""
+    """The weight and eps of one RMSNorm; the decoder applies it through its `LayerOps`."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = empty_param(dim, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -68,14 +70,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2 * inter, hidden] matrix."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2 * inter, hidden] matrix (gate
+    rows first); the decoder applies it with its `LayerOps.silu_mul` between the two products."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.inter = inter
         self.gate_up_proj = empty_param(2 * inter, hidden, dtype=dtype)
         self.down_proj = empty_param(hidden, inter, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)

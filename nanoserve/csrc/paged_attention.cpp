@@ -1,8 +1,6 @@
 // Paged attention for short queries on the CPU, straight from the block pool.
 //
-// Built at first use by nanoserve/attention/cpu_paged.py (g++ -O3 -march=native -fopenmp) and
-// called through ctypes with raw pointers; it includes no torch header, so it builds in about a
-// second. OpenMP resolves to the libgomp that torch has already loaded (same soname).
+// Part of the CPU kernel library that nanoserve/native.py builds at first use (see there).
 //
 // For each listed sequence, every query row (each new token times each query head) is attended in
 // one pass over the sequence's blocks: each block's keys and values are read once, for each KV
@@ -25,60 +23,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
+using namespace nanoserve;
+
 constexpr float kMasked = -1e30f;  // the running maximum before any key
-
-inline void from_float(float x, float* dst) { *dst = x; }
-inline void from_float(float x, uint16_t* dst) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *dst = static_cast<uint16_t>((bits >> 16) | 0x40u);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = static_cast<uint16_t>(bits >> 16);
-}
-
-// Eight floats in one vector register (GCC vector extension: AVX on x86, two NEON registers on
-// ARM); `uvec8` is the same read from memory aligned only to a float.
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float uvec8 __attribute__((vector_size(32), aligned(4)));
-constexpr int kLanes = 8;
-
-typedef int32_t ivec8 __attribute__((vector_size(32)));
-
-// e^x for x <= 0, lane by lane (every argument here is a score minus a running maximum), within a
-// few ulp: 2^n * e^r with n = round(x / ln 2) and a degree-6 polynomial for e^r on
-// [-ln2/2, ln2/2]. Written on vectors, so it needs no -ffast-math (which, in a shared library,
-// would switch the whole process to flush-to-zero) to run eight lanes at a time.
-inline vec8 exp_nonpositive(vec8 x) {
-  x = x < -87.0f ? vec8{} - 87.0f : x;  // keeps 2^n a normal float
-  const vec8 y = x * 1.44269504088896341f + 0.5f;
-  ivec8 n = __builtin_convertvector(y, ivec8);  // truncation; then floor for negative y
-  n += (__builtin_convertvector(n, vec8) > y);  // a true lane is -1
-  const vec8 nf = __builtin_convertvector(n, vec8);
-  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts
-  vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const ivec8 bits = (n + 127) << 23;
-  vec8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-inline float hsum(vec8 v) {  // pairwise, in three shuffle-and-add steps
-  typedef float vec4 __attribute__((vector_size(16)));
-  vec4 x = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1);
-  x += __builtin_shufflevector(x, x, 1, 0, 3, 2);
-  return x[0];
-}
 
 // A block's keys (or values) for one KV head, as rows of NVEC vectors of float: read in place
 // for a float cache, widened into `buf` for bfloat16. Row t starts at base + t * stride floats.
@@ -96,15 +47,8 @@ Rows<NVEC> block_rows(const float* src, int64_t token_stride, int /*n*/, vec8* /
 
 template <int NVEC>
 Rows<NVEC> block_rows(const uint16_t* src, int64_t token_stride, int n, vec8* buf) {
-  typedef uint16_t u16x8 __attribute__((vector_size(16)));
-  typedef uint32_t u32x8 __attribute__((vector_size(32)));
   for (int t = 0; t < n; ++t)
-    for (int j = 0; j < NVEC; ++j) {
-      u16x8 raw;
-      std::memcpy(&raw, src + t * token_stride + j * kLanes, sizeof raw);
-      const u32x8 wide = __builtin_convertvector(raw, u32x8) << 16;  // bfloat16 is a float's top half
-      std::memcpy(buf + t * NVEC + j, &wide, sizeof wide);
-    }
+    for (int j = 0; j < NVEC; ++j) buf[t * NVEC + j] = load8(src + t * token_stride + j * kLanes);
   return {reinterpret_cast<const float*>(buf), NVEC * kLanes};
 }
 
@@ -152,13 +96,7 @@ inline void load_query(const float* src, float scale, vec8* dst, int nvec) {
 }
 template <>
 inline void load_query(const uint16_t* src, float scale, vec8* dst, int nvec) {
-  for (int j = 0; j < nvec; ++j)
-    for (int i = 0; i < kLanes; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(src[j * kLanes + i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, sizeof f);
-      dst[j][i] = f * scale;
-    }
+  for (int j = 0; j < nvec; ++j) dst[j] = load8(src + j * kLanes) * scale;
 }
 
 // Attends every query row of sequence s: row r is new token r / num_heads and query head

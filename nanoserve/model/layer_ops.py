@@ -1,0 +1,160 @@
+"""The decoder's elementwise steps behind one interface: RMSNorm with the residual add before it,
+per-head q/k RMSNorm with rotary embedding, and SwiGLU's silu(gate) * up.
+
+`TorchLayerOps` is the reference: the Hugging Face numerics of `nanoserve.model.layers`, on any
+device, capturable in CUDA graphs. `CpuLayerOps` runs the same steps through the fused C++ of
+`nanoserve/csrc/layer_ops.cpp`: one call where torch makes 5-15 (an RMSNorm is seven torch calls,
+~35 µs on one core at any size up to a few thousand elements; the fused call ~2 µs), which is most
+of what a small model's decode step costs besides its matrix products.
+
+Invariants shared by both:
+- `rms_norm` with a residual adds x into the residual in place (residual += x, rounded to the
+  dtype as torch's add is) and returns the norm of the sum: the pre-norm block's "h = h + sublayer;
+  normed = norm(h)" in one step.
+- `qk_norm_rope` returns q [n, heads, head_dim] and k [n, kv_heads, head_dim]; they may be views of
+  qkv (CpuLayerOps rotates in place, so qkv's q and k columns are overwritten) or new tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model.layers import apply_rope, rms_norm
+from nanoserve.native import load_cpu_kernels
+
+
+class LayerOps(Protocol):
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def qk_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchLayerOps:
+    """The reference, in torch calls."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            x = residual.add_(x)
+        return rms_norm(x, weight, eps)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        n = qkv.shape[0]
+        q = qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
+        k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(n, num_kv_heads, head_dim)
+        if q_weight is not None and k_weight is not None:
+            q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+SMALL_M = 16  # CpuLayerOps.linear's C++ product up to this many rows (MKL's GEMM beyond)
+
+
+class CpuLayerOps:
+    """The fused C++ steps. Invariant: only CPU tensors of one dtype in `DTYPES`, contiguous
+    (qkv's rows may be followed by v's columns; cos and sin as `rope_cos_sin` makes them), reach
+    the library: anything else raises ValueError before a pointer is passed."""
+
+    DTYPES = frozenset(_SUFFIX)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        self._linear, self._norm, self._rope, self._silu = {}, {}, {}, {}
+        for dtype, suffix in _SUFFIX.items():
+            self._linear[dtype] = _bind(lib, f"nanoserve_linear_{suffix}", ptr, ptr, ptr, ptr, i64, i64, i64, i32)
+            self._norm[dtype] = _bind(lib, f"nanoserve_rms_norm_{suffix}", ptr, ptr, ptr, ptr, i64, i64, f32, i32)
+            self._rope[dtype] = _bind(lib, f"nanoserve_qk_norm_rope_{suffix}", ptr, i64, i64, i64, i64, i64, ptr,
+                                      ptr, ptr, ptr, f32, i32)
+            self._silu[dtype] = _bind(lib, f"nanoserve_silu_mul_{suffix}", ptr, ptr, i64, i64, i32)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The C++ product for 2-D x of at most `SMALL_M` rows (contiguous, one dtype with its weight
+        and bias); F.linear, which suits more rows, otherwise."""
+        if (x.dim() != 2 or x.shape[0] > SMALL_M or x.dtype not in self.DTYPES or weight.dtype != x.dtype
+                or not (x.is_contiguous() and weight.is_contiguous())
+                or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
+            return F.linear(x, weight, bias)
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        self._linear[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        _check(x, weight, *(() if residual is None else (residual,)))
+        out = torch.empty_like(x)
+        dim = x.shape[-1]
+        self._norm[x.dtype](x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+        return out
+
+    def qk_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        norms = () if q_weight is None or k_weight is None else (q_weight, k_weight)
+        _check(qkv, cos, sin, *norms)
+        n, stride = qkv.shape
+        if stride < (num_heads + num_kv_heads) * head_dim or cos.numel() != n * head_dim or sin.numel() != cos.numel():
+            raise ValueError("qk_norm_rope: qkv rows shorter than the q and k heads, or cos/sin not [n, head_dim]")
+        self._rope[qkv.dtype](qkv.data_ptr(), n, stride, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
+                              sin.data_ptr(), norms[0].data_ptr() if norms else None,
+                              norms[1].data_ptr() if norms else None, eps, torch.get_num_threads())
+        q = qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
+        k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(n, num_kv_heads, head_dim)
+        return q, k
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        _check(gate_up)
+        inter = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+        self._silu[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+                                  torch.get_num_threads())
+        return out
+
+
+def _bind(lib: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
+    fn = getattr(lib, name)
+    fn.argtypes = list(argtypes)
+    fn.restype = None
+    return fn
+
+
+def _check(first: torch.Tensor, *others: torch.Tensor) -> None:
+    """Raises ValueError unless every tensor is a contiguous CPU tensor of first's dtype, one the
+    library has a build for."""
+    for t in (first, *others):
+        if t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous():
+            raise ValueError("the fused CPU layer ops take contiguous CPU tensors of one dtype")
+    if first.dtype not in CpuLayerOps.DTYPES:
+        raise ValueError(f"the fused CPU layer ops have no build for {first.dtype}")
+
+
+def select_layer_ops(attention_backend: str, device: torch.device, dtype: torch.dtype) -> LayerOps:
+    """CpuLayerOps on the CPU for fp32 and bf16 models whenever the attention backend is 'auto' or
+    'cpu' and the kernel library builds; TorchLayerOps otherwise ('torch' is the pure-PyTorch path)."""
+    if device.type == "cpu" and dtype in CpuLayerOps.DTYPES and attention_backend in ("auto", "cpu"):
+        lib = load_cpu_kernels()
+        if lib is not None:
+            return CpuLayerOps(lib)
+    return TorchLayerOps()
