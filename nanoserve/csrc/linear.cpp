@@ -1,19 +1,21 @@
-// y = x W^T (+ b) for a few rows of x: the matrix products of decode steps, of verification steps
-// carrying a few drafts, and of the LM head over the sampled rows.
+// y = x W^T (+ b) on the CPU: in fp32 for a few rows of x (the matrix products of decode steps, of
+// verification steps carrying a few drafts, and of the LM head over the sampled rows), in bf16 for
+// any number.
 //
 // Part of the CPU kernel library that nanoserve/native.py builds at first use (see there). A BLAS
 // GEMM is tuned for large M: on an AVX2 EPYC, MKL's fp32 GEMM takes ~3x as long for 5 rows as for 1,
-// and torch's bf16 product without native bf16 instructions moves half the bytes it could. Here
-// every row of W (in place, [N, K] row-major as checkpoints store it: no packed copy) is read once
-// for all rows of x, while it sits in L1: each W vector feeds one FMA per row of x, so a few rows
-// cost little more than one and a single row runs at memory speed. bf16 weights are widened to
-// fp32 in registers (a shift), so a bf16 model streams half the bytes of an fp32 one; accumulation
-// is in fp32 and only the output is rounded to T.
+// and torch's bf16 product, without native bf16 instructions, runs at ~10 GFLOP/s on one core and
+// moves half the bytes a matrix-vector product could. Here every row of W (in place, [N, K]
+// row-major as checkpoints store it: no packed copy) is read once for a whole block of rows of x,
+// while it sits in L1: each W vector feeds one FMA per row of x, so a few rows cost little more than
+// one and a single row runs at memory speed. bf16 weights are widened to fp32 in registers (a
+// shift), so a bf16 model streams half the bytes of an fp32 one; accumulation is in fp32 and only
+// the output is rounded to T.
 //
-// Structure: output columns are shared among `num_threads` OpenMP threads in blocks; in each block,
-// kRowsW rows of W at a time against the rows of x in groups of up to kRowsX, with kRowsW x kRowsX
-// vector accumulators (each reduced by one horizontal sum at the end). x is widened to fp32 once,
-// into a buffer, when T is bf16.
+// Structure: x in blocks of 64 rows (which stay in L2); for each, output columns are shared among
+// `num_threads` OpenMP threads in blocks of 64; in each, a few rows of W at a time against the rows of x in groups of up to four, with one vector
+// accumulator per (row of W, row of x), each reduced by one horizontal sum at the end. x is widened
+// to fp32 once, into a buffer, when T is bf16.
 //
 // Layouts (all contiguous): x [M, K], w [N, K], bias [N] or null, out [M, N].
 
@@ -28,14 +30,15 @@ namespace {
 
 using namespace nanoserve;
 
-constexpr int kRowsW = 4;                 // rows of W per pass over K
-constexpr int kRowsX = 2;                 // rows of x per pass (kRowsW * kRowsX accumulators)
-constexpr int64_t kColumnsPerTask = 64;   // output columns per OpenMP work item
+constexpr int kRowsX = 4;                  // rows of x per pass over K, at most
+constexpr int64_t kRowsPerBlock = 64;      // rows of x per pass over all of W
+constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work item
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 
-// out[m][n0 + j] for j < NW, m < MX: NW rows of W (stride K) against MX rows of xf (stride K).
+// res[m][j] = xf[m] . w[j] for m < MX, j < NW: NW rows of W (stride K) against MX rows of xf
+// (stride K), with MX x NW vector accumulators.
 template <typename T, int NW, int MX>
-inline void dot_block(const float* xf, const T* w, int64_t K, float (*res)[kRowsW]) {
+inline void dot_block(const float* xf, const T* w, int64_t K, float (*res)[8]) {
   vec8 acc[MX][NW] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
@@ -54,19 +57,37 @@ inline void dot_block(const float* xf, const T* w, int64_t K, float (*res)[kRows
     }
 }
 
+// Output columns [n0, n0 + NW) for every row of x, kRowsX rows of x at a time (W's NW rows stay in
+// L1 meanwhile).
 template <typename T, int NW>
 void columns(const float* xf, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K, int64_t n0) {
-  float res[kRowsX][kRowsW];
+  static_assert(NW <= 8, "res holds 8 columns");
+  float res[kRowsX][8];
   for (int64_t m0 = 0; m0 < M; m0 += kRowsX) {
+    const float* x0 = xf + m0 * K;
+    const T* w0 = w + n0 * K;
     const int mx = static_cast<int>(std::min<int64_t>(kRowsX, M - m0));
-    if (mx == kRowsX)
-      dot_block<T, NW, kRowsX>(xf + m0 * K, w + n0 * K, K, res);
-    else
-      dot_block<T, NW, 1>(xf + m0 * K, w + n0 * K, K, res);
+    switch (mx) {
+      case 4: dot_block<T, NW, 4>(x0, w0, K, res); break;
+      case 3: dot_block<T, NW, 3>(x0, w0, K, res); break;
+      case 2: dot_block<T, NW, 2>(x0, w0, K, res); break;
+      default: dot_block<T, NW, 1>(x0, w0, K, res); break;
+    }
     for (int m = 0; m < mx; ++m)
       for (int j = 0; j < NW; ++j)
         from_float(res[m][j] + (bias != nullptr ? to_float(bias[n0 + j]) : 0.0f), out + (m0 + m) * N + n0 + j);
   }
+}
+
+// One row of x streams W with eight rows in flight (eight independent FMA chains, eight memory
+// streams); more rows of x take W two rows at a time against up to four of theirs, so that each
+// W vector loaded (and, for bf16, widened) feeds four FMAs.
+template <typename T, int NW>
+void column_range(const float* xf, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
+                  int64_t begin, int64_t end) {
+  int64_t n = begin;
+  for (; n + NW <= end; n += NW) columns<T, NW>(xf, w, bias, out, M, N, K, n);
+  for (; n < end; ++n) columns<T, 1>(xf, w, bias, out, M, N, K, n);
 }
 
 template <typename T>
@@ -81,12 +102,18 @@ void linear(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N,
     xf = widened.data();
   }
   const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * N * K >= kParallelWork)
-  for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t end = std::min(N, (task + 1) * kColumnsPerTask);
-    int64_t n = task * kColumnsPerTask;
-    for (; n + kRowsW <= end; n += kRowsW) columns<T, kRowsW>(xf, w, bias, out, M, N, K, n);
-    for (; n < end; ++n) columns<T, 1>(xf, w, bias, out, M, N, K, n);
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock) {  // a block of x stays in L2 while W streams by
+    const int64_t mb = std::min(kRowsPerBlock, M - m0);
+    const float* xb = xf + m0 * K;
+    T* ob = out + m0 * N;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && mb * N * K >= kParallelWork)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t begin = task * kColumnsPerTask, end = std::min(N, begin + kColumnsPerTask);
+      if (mb == 1)
+        column_range<T, 8>(xb, w, bias, ob, mb, N, K, begin, end);
+      else
+        column_range<T, 2>(xb, w, bias, ob, mb, N, K, begin, end);
+    }
   }
 }
 
@@ -94,7 +121,8 @@ void linear(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N,
 
 extern "C" {
 
-// out = x w^T + bias (bias may be null) for x [M, K], w [N, K]; any M, meant for small ones.
+// out = x w^T + bias (bias may be null) for x [M, K], w [N, K]; any M (a BLAS GEMM is faster for
+// large M in fp32, but not torch's in bf16 without native bf16 instructions).
 void nanoserve_linear_f32(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
                           int64_t K, int num_threads) {
   linear(x, w, bias, out, M, N, K, num_threads);
