@@ -2,8 +2,8 @@
 
 `TorchAttention` gathers each sequence's blocks into a padded copy before attending; at 64 decodes
 of a few hundred tokens that copy and SDPA's padded pass are about 40% of a step. The kernel in
-`nanoserve/csrc/paged_attention.cpp` reads K and V straight from the block pool, once per KV head for all the
-query heads and new tokens that share it, with an online softmax. Longer prefill chunks (more than
+`nanoserve/csrc/paged_attention.cpp` reads K and V straight from the block pool, once per KV head
+for all the query heads and new tokens that share it, with an online softmax. Longer prefill chunks (more than
 `SHORT_QUERY_MAX` new tokens) still go through `TorchAttention`'s per-sequence SDPA, whose blocked
 GEMMs suit long queries better.
 

@@ -36,12 +36,15 @@ constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work ite
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 
 // res[m][j] = xf[m] . w[j] for m < MX, j < NW: NW rows of W (stride K) against MX rows of xf
-// (stride K), with MX x NW vector accumulators.
+// (stride K), with MX x NW vector accumulators. The next NW rows of W are prefetched meanwhile: the
+// NW interleaved streams defeat the hardware prefetcher (measured: ~5 -> ~8 GB/s for one row of x).
 template <typename T, int NW, int MX>
 inline void dot_block(const float* xf, const T* w, int64_t K, float (*res)[8]) {
   vec8 acc[MX][NW] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
+    if ((k * sizeof(T)) % 64 == 0)  // the next NW rows, a cache line at a time (a prefetch never faults)
+      for (int j = NW; j < 2 * NW; ++j) __builtin_prefetch(w + j * K + k, 0, 0);
     vec8 wv[NW];
     for (int j = 0; j < NW; ++j) wv[j] = load8(w + j * K + k);
     for (int m = 0; m < MX; ++m) {

@@ -52,8 +52,8 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block on a residual stream: h += attn(norm(h)); h += mlp(norm(h)). Each add is
-    fused into the norm after it (`LayerOps.rms_norm` with a residual), so a layer takes the
-    previous sublayer's output and the residual stream, and returns its MLP's output and the stream."""
+    fused into the norm after it (`LayerOps.rms_norm` with a residual), so a layer takes the previous
+    sublayer's output, adds it into the stream first, and returns its own MLP's output unadded."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
