@@ -71,6 +71,23 @@ def test_fp32_matches_dense_attention(backend, name, block_size, num_heads, num_
 
 
 @pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_k_v_as_columns_of_a_fused_qkv(backend, name, dtype):
+    """As the decoder passes them with fused layer ops: q, k and v are column slices of one [tokens,
+    (heads + 2 * kv_heads) * head_dim] tensor (tokens that far apart). Same result and same pool
+    as with contiguous copies."""
+    q, k, v, cache, meta = _inputs(SPECS[name], 16, 4, 2, 64, dtype, seed=9)
+    n = q.shape[0]
+    qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=1)
+    qs, ks, vs = (t.view(n, -1, 64) for t in qkv.split([4 * 64, 2 * 64, 2 * 64], dim=1))
+    assert not qs.is_contiguous() and not ks.is_contiguous()
+    pool = cache.clone()
+    expected = backend.forward(q, k, v, cache, meta, 0.125)
+    assert torch.equal(backend.forward(qs, ks, vs, pool, meta, 0.125), expected)
+    assert torch.equal(pool, cache)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
 def test_bf16_matches_dense_attention(backend, name):
     q, k, v, cache, meta = _inputs(SPECS[name], 16, 4, 2, 64, torch.bfloat16, seed=7)
     expected = _expected(q, k, v, cache, meta, 0.125)

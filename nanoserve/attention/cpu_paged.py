@@ -16,51 +16,74 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.attention.torch_ref import SHORT_QUERY_MAX, TorchAttention, write_kv
+from nanoserve.attention.torch_ref import SHORT_QUERY_MAX, TorchAttention
 from nanoserve.native import load_cpu_kernels
 
 HEAD_DIMS = frozenset((32, 64, 128, 256))  # compiled into the kernel
-_SUPPORTED = {torch.float32: "nanoserve_paged_attention_f32", torch.bfloat16: "nanoserve_paged_attention_bf16"}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class PagedAttentionKernel:
-    """The loaded kernel. Invariant: `__call__` only sees CPU tensors of one supported dtype and a
-    head size in HEAD_DIMS, laid out as `nanoserve/csrc/paged_attention.cpp` states."""
+    """The loaded kernel and its K/V write. Invariant: only CPU tensors of one supported dtype and
+    a head size in HEAD_DIMS, laid out as `nanoserve/csrc/paged_attention.cpp` states (checked
+    here: q, k and v may have their tokens any distance apart, everything else is contiguous), reach
+    the library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fns = {}
-        for dtype, name in _SUPPORTED.items():
-            fn = getattr(lib, name)
-            fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+        self._attend, self._write = {}, {}
+        for dtype, suffix in _SUFFIX.items():
+            fn = getattr(lib, f"nanoserve_paged_attention_{suffix}")
+            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                            ctypes.c_int]
             fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+            self._attend[dtype] = fn
+            fn = getattr(lib, f"nanoserve_write_kv_{suffix}")
+            fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
+            fn.restype = None
+            self._write[dtype] = fn
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in self._fns and head_dim in HEAD_DIMS
+        return dtype in self._attend and head_dim in HEAD_DIMS
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, query_start: torch.Tensor, seq_ids: torch.Tensor, scale: float,
+                 seq_lens: torch.Tensor, query_start: torch.Tensor, seq_ids: torch.Tensor | None, scale: float,
                  num_threads: int) -> None:
-        """Writes into `out` the attention of the listed sequences' query rows (see the source)."""
-        tensors = (q, kv_cache, out, block_tables, seq_lens, query_start, seq_ids)
-        if not all(t.is_contiguous() for t in tensors):
-            raise ValueError("the paged-attention kernel reads raw memory: every tensor must be contiguous")
-        if not all(t.dtype == torch.int64 for t in tensors[3:]):
+        """Writes into `out` the attention of the listed sequences' query rows (`seq_ids`; None: all
+        of them), reading K and V from `kv_cache` (see the source)."""
+        indices = (block_tables, seq_lens, query_start) + (() if seq_ids is None else (seq_ids,))
+        if not (_token_rows(q) and all(t.is_contiguous() for t in (kv_cache, out, *indices))):
+            raise ValueError("the paged-attention kernel reads raw memory: q's heads and every other tensor must "
+                             "be contiguous")
+        if not all(t.dtype == torch.int64 for t in indices):
             raise ValueError("block tables, sequence lengths and offsets must be int64")
         _, nb, bs, kvh, d = kv_cache.shape
-        ran = self._fns[q.dtype](
-            q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-            seq_lens.data_ptr(), query_start.data_ptr(), seq_ids.data_ptr(), seq_ids.shape[0], q.shape[1], kvh, d,
-            bs, nb, scale, num_threads,
+        listed = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
+        ran = self._attend[q.dtype](
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), query_start.data_ptr(),
+            None if seq_ids is None else seq_ids.data_ptr(), listed, q.shape[1], kvh, d, bs, nb, scale, num_threads,
         )
         if not ran:
             raise ValueError(f"the paged-attention kernel has no build for head size {d}")
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Stores each new token's K and V at its flat slot (block * block_size + offset), as
+        `torch_ref.write_kv` does; slots must be in range (the scheduler allocates them)."""
+        if not (_token_rows(k) and _token_rows(v) and kv_cache.is_contiguous() and slot_mapping.is_contiguous()
+                and slot_mapping.dtype == torch.int64 and k.dtype == v.dtype == kv_cache.dtype):
+            raise ValueError("write_kv: k and v need contiguous heads, the cache and slots contiguous int64")
+        _, nb, bs, kvh, d = kv_cache.shape
+        self._write[k.dtype](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(),
+                             slot_mapping.data_ptr(), k.shape[0], kvh * d, nb * bs)
+
+
+def _token_rows(x: torch.Tensor) -> bool:
+    """x [tokens, heads, head_dim] has contiguous heads; its tokens may be any distance apart."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def load_paged_attention(cache_dir: Path | None = None) -> PagedAttentionKernel | None:
@@ -90,17 +113,19 @@ class CpuPagedAttention(TorchAttention):
     ) -> torch.Tensor:
         if q.device.type != "cpu" or not self.kernel.supports(q.dtype, q.shape[2]) or kv_cache.dtype != q.dtype:
             return super().forward(q, k, v, kv_cache, meta, scale)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        self.kernel.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape)
+        threads = torch.get_num_threads()
+        if meta.max_query_len <= SHORT_QUERY_MAX:  # decodes, drafts, short chunks: all in the kernel
+            self.kernel(q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, None, scale,
+                        threads)
+            return out
         qsl = meta.query_start_loc_cpu
         short, long = [], []
         for s in range(meta.num_seqs):
             (short if qsl[s + 1] - qsl[s] <= SHORT_QUERY_MAX else long).append(s)
         if short:
-            self.kernel(q, kv_cache, out, meta.block_tables, meta.seq_lens,
-                        torch.from_numpy(np.asarray(qsl, dtype=np.int64)), torch.tensor(short, dtype=torch.int64),
-                        scale, torch.get_num_threads())
-        if long:
-            self._attend_long(q, kv_cache[0], kv_cache[1], meta, long, scale, out)
+            self.kernel(q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                        torch.tensor(short, dtype=torch.int64), scale, threads)
+        self._attend_long(q, kv_cache[0], kv_cache[1], meta, long, scale, out)
         return out

@@ -11,10 +11,15 @@
 // values. The running maxima start at a finite sentinel, so no infinity enters the arithmetic.
 // Sequences are shared among `num_threads` OpenMP threads; each writes only its own rows of out.
 //
-// Layouts (all contiguous): q and out [num_tokens, num_heads, head_dim]; the layer's cache
-// [2, num_blocks, block_size, num_kv_heads, head_dim] (K plane, then V plane); block_tables
-// [num_seqs, table_stride]; seq_lens [num_seqs]; query_start [num_seqs + 1]; seq_ids lists the
-// sequences to attend (others' rows of out are left untouched).
+// Layouts: q [num_tokens, num_heads, head_dim] with its tokens q_stride elements apart (q may be
+// the q columns of a fused qkv tensor); everything else contiguous: out [num_tokens, num_heads,
+// head_dim]; the layer's cache [2, num_blocks, block_size, num_kv_heads, head_dim] (K plane, then V
+// plane); block_tables [num_seqs, table_stride]; seq_lens [num_seqs]; query_start [num_seqs + 1];
+// seq_ids lists the sequences to attend (null: the first num_listed), and other sequences' rows of
+// out are left untouched.
+//
+// `write_kv` stores a step's new K and V (rows k_stride and v_stride elements apart) at their flat
+// slots (block * block_size + offset) before attention reads them.
 
 #include <algorithm>
 #include <cmath>
@@ -104,7 +109,8 @@ inline void load_query(const uint16_t* src, float scale, vec8* dst, int nvec) {
 // and V for all heads read as two contiguous runs, and the next block is prefetched meanwhile
 // (block tables scatter blocks, which hardware prefetchers cannot follow).
 template <typename T, int NVEC>
-void attend_sequence(const T* q, const T* cache, T* out, const int64_t* table, int64_t seq_len, int64_t q_start,
+void attend_sequence(const T* q, int64_t q_stride, const T* cache, T* out, const int64_t* table, int64_t seq_len,
+                     int64_t q_start,
                      int64_t q_len, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                      int64_t num_blocks, float scale) {
   constexpr int64_t head_dim = NVEC * kLanes;
@@ -117,8 +123,9 @@ void attend_sequence(const T* q, const T* cache, T* out, const int64_t* table, i
   std::vector<vec8> qv(static_cast<size_t>(rows) * NVEC), acc(qv.size());
   std::vector<float> m(rows, kMasked), l(rows, 0.0f), scores((block_size + kLanes - 1) / kLanes * kLanes);
   std::vector<vec8> kbuf(std::is_same_v<T, float> ? 0 : block_size * NVEC), vbuf(kbuf.size());
-  for (int r = 0; r < rows; ++r)  // rows are laid out as q is: token-major, then head
-    load_query(q + (q_start * num_heads + r) * head_dim, scale, qv.data() + r * NVEC, NVEC);
+  for (int r = 0; r < rows; ++r)  // token-major, then head, as out is laid out
+    load_query(q + (q_start + r / num_heads) * q_stride + (r % num_heads) * head_dim, scale, qv.data() + r * NVEC,
+               NVEC);
 
   const int64_t nblk = (seq_len + block_size - 1) / block_size;
   const int64_t first_limit = seq_len - q_len;  // the last key that new token 0 may see
@@ -174,14 +181,15 @@ void attend_sequence(const T* q, const T* cache, T* out, const int64_t* table, i
 }
 
 template <typename T, int NVEC>
-void attend_listed(const T* q, const T* cache, T* out, const int64_t* block_tables, int64_t table_stride,
+void attend_listed(const T* q, int64_t q_stride, const T* cache, T* out, const int64_t* block_tables,
+                   int64_t table_stride,
                    const int64_t* seq_lens, const int64_t* query_start, const int64_t* seq_ids, int64_t num_listed,
                    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t num_blocks, float scale,
                    int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
   for (int64_t i = 0; i < num_listed; ++i) {
-    const int64_t s = seq_ids[i];
-    attend_sequence<T, NVEC>(q, cache, out, block_tables + s * table_stride, seq_lens[s], query_start[s],
+    const int64_t s = seq_ids != nullptr ? seq_ids[i] : i;
+    attend_sequence<T, NVEC>(q, q_stride, cache, out, block_tables + s * table_stride, seq_lens[s], query_start[s],
                              query_start[s + 1] - query_start[s], num_heads, num_kv_heads, block_size, num_blocks,
                              scale);
   }
@@ -189,14 +197,15 @@ void attend_listed(const T* q, const T* cache, T* out, const int64_t* block_tabl
 
 // Dispatches on the head size; returns false for one not compiled in.
 template <typename T>
-bool paged_attention(const T* q, const T* cache, T* out, const int64_t* block_tables, int64_t table_stride,
+bool paged_attention(const T* q, int64_t q_stride, const T* cache, T* out, const int64_t* block_tables,
+                     int64_t table_stride,
                      const int64_t* seq_lens, const int64_t* query_start, const int64_t* seq_ids,
                      int64_t num_listed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t num_blocks, float scale, int num_threads) {
   switch (head_dim) {
 #define NANOSERVE_HEAD_DIM(D)                                                                                     \
   case D:                                                                                                         \
-    attend_listed<T, D / kLanes>(q, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids,      \
+    attend_listed<T, D / kLanes>(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids,      \
                                  num_listed, num_heads, num_kv_heads, block_size, num_blocks, scale, num_threads); \
     return true;
     NANOSERVE_HEAD_DIM(32)
@@ -209,28 +218,51 @@ bool paged_attention(const T* q, const T* cache, T* out, const int64_t* block_ta
   }
 }
 
+template <typename T>
+void write_kv(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* cache, const int64_t* slot_mapping,
+              int64_t num_tokens, int64_t token_elems, int64_t num_slots) {
+  T* v_plane = cache + num_slots * token_elems;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    std::memcpy(cache + slot * token_elems, k + t * k_stride, token_elems * sizeof(T));
+    std::memcpy(v_plane + slot * token_elems, v + t * v_stride, token_elems * sizeof(T));
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 // The entry points return 1 when they ran, 0 for a head size not compiled in (32, 64, 128, 256;
 // the caller checks first).
-int nanoserve_paged_attention_f32(const float* q, const float* cache, float* out, const int64_t* block_tables,
-                                   int64_t table_stride, const int64_t* seq_lens, const int64_t* query_start,
-                                   const int64_t* seq_ids, int64_t num_listed, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                                   float scale, int num_threads) {
-  return paged_attention(q, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids, num_listed,
-                         num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
+int nanoserve_paged_attention_f32(const float* q, int64_t q_stride, const float* cache, float* out,
+                                   const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
+                                   const int64_t* query_start, const int64_t* seq_ids, int64_t num_listed,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                   int64_t num_blocks, float scale, int num_threads) {
+  return paged_attention(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids,
+                         num_listed, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
 }
 
-int nanoserve_paged_attention_bf16(const uint16_t* q, const uint16_t* cache, uint16_t* out,
+int nanoserve_paged_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cache, uint16_t* out,
                                     const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
                                     const int64_t* query_start, const int64_t* seq_ids, int64_t num_listed,
                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                     int64_t num_blocks, float scale, int num_threads) {
-  return paged_attention(q, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids, num_listed,
-                         num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
+  return paged_attention(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids,
+                         num_listed, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
+}
+
+// Stores K and V rows [num_tokens, token_elems] (rows k_stride / v_stride elements apart) at
+// slot_mapping's slots of a layer's cache [2, num_slots, token_elems]; slots must be in range.
+void nanoserve_write_kv_f32(const float* k, int64_t k_stride, const float* v, int64_t v_stride, float* cache,
+                            const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems, int64_t num_slots) {
+  write_kv(k, k_stride, v, v_stride, cache, slot_mapping, num_tokens, token_elems, num_slots);
+}
+void nanoserve_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
+                             uint16_t* cache, const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems,
+                             int64_t num_slots) {
+  write_kv(k, k_stride, v, v_stride, cache, slot_mapping, num_tokens, token_elems, num_slots);
 }
 
 }  // extern "C"
