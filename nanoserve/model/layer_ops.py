@@ -1,11 +1,12 @@
-"""The decoder's elementwise steps behind one interface: RMSNorm with the residual add before it,
-per-head q/k RMSNorm with rotary embedding, and SwiGLU's silu(gate) * up.
+"""The computations of a decoder layer behind one interface: the matrix products, RMSNorm with the
+residual add before it, per-head q/k RMSNorm with rotary embedding, and SwiGLU's silu(gate) * up.
 
-`TorchLayerOps` is the reference: the Hugging Face numerics of `nanoserve.model.layers`, on any
-device, capturable in CUDA graphs. `CpuLayerOps` runs the same steps through the fused C++ of
-`nanoserve/csrc/layer_ops.cpp`: one call where torch makes 5-15 (an RMSNorm is seven torch calls,
-~35 µs on one core at any size up to a few thousand elements; the fused call ~2 µs), which is most
-of what a small model's decode step costs besides its matrix products.
+`TorchLayerOps` is the reference: F.linear and the Hugging Face numerics of
+`nanoserve.model.layers`, on any device, capturable in CUDA graphs. `CpuLayerOps` runs the same
+steps through nanoserve's C++ (`nanoserve/csrc/`): each elementwise step one call where torch makes
+3-15 (an RMSNorm of one row: seven torch calls, ~27 µs on one core of this AMD EPYC, against ~5 µs
+fused, most of it the Python around the call), and the products of a few rows (fp32) or of any
+number (bf16) through `linear.cpp`, which reads each row of the weight once for all rows of x.
 
 Invariants shared by both:
 - `rms_norm` with a residual adds x into the residual in place (residual += x, rounded to the
@@ -18,6 +19,7 @@ Invariants shared by both:
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -74,9 +76,10 @@ SMALL_M = 16
 
 
 class CpuLayerOps:
-    """The fused C++ steps. Invariant: only CPU tensors of one dtype in `DTYPES`, contiguous
-    (qkv's rows may be followed by v's columns; cos and sin as `rope_cos_sin` makes them), reach
-    the library: anything else raises ValueError before a pointer is passed."""
+    """The C++ steps. Invariant: only contiguous CPU tensors of one dtype in `DTYPES` reach the
+    library (`qk_norm_rope` works in place on the q and k columns of a contiguous qkv; cos and sin are
+    [n, head_dim] as `rope_cos_sin` makes them): anything else raises ValueError before a pointer is
+    passed, except in `linear`, which hands what it does not take to F.linear."""
 
     DTYPES = frozenset(_SUFFIX)
 
@@ -136,7 +139,8 @@ class CpuLayerOps:
         return out
 
 
-def _bind(lib: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
+def _bind(lib: ctypes.CDLL, name: str, *argtypes: type) -> Callable[..., None]:
+    """The library's function `name`, declared with `argtypes` and no result."""
     fn = getattr(lib, name)
     fn.argtypes = list(argtypes)
     fn.restype = None
@@ -146,11 +150,12 @@ def _bind(lib: ctypes.CDLL, name: str, *argtypes: type) -> ctypes._CFuncPtr:
 def _check(first: torch.Tensor, *others: torch.Tensor) -> None:
     """Raises ValueError unless every tensor is a contiguous CPU tensor of first's dtype, one the
     library has a build for."""
+    dtype = first.dtype
+    if dtype not in CpuLayerOps.DTYPES:
+        raise ValueError(f"the fused CPU layer ops have no build for {dtype}")
     for t in (first, *others):
-        if t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous():
+        if not (t.is_cpu and t.dtype == dtype and t.is_contiguous()):
             raise ValueError("the fused CPU layer ops take contiguous CPU tensors of one dtype")
-    if first.dtype not in CpuLayerOps.DTYPES:
-        raise ValueError(f"the fused CPU layer ops have no build for {first.dtype}")
 
 
 def select_layer_ops(attention_backend: str, device: torch.device, dtype: torch.dtype) -> LayerOps:
