@@ -114,6 +114,16 @@ def test_head_size_without_a_build_falls_back_to_torch(backend):
     torch.testing.assert_close(out.double(), _expected(q, k, v, cache, meta, 48**-0.5), atol=2e-5, rtol=2e-5)
 
 
+def test_kv_write_refuses_a_slot_outside_the_pool(backend):
+    _, k, v, cache, meta = _inputs([(20, 1), (9, 2)], 16, 4, 2, 64, torch.float32, seed=4)
+    pool = cache.clone()
+    bad = meta.slot_mapping.clone()
+    bad[-1] = cache.shape[1] * cache.shape[2]
+    with pytest.raises(IndexError, match="outside the pool"):
+        backend.kernel.write_kv(k, v, pool, bad)
+    assert torch.equal(pool, cache)  # nothing written
+
+
 def test_kernel_refuses_non_contiguous_input(backend):
     q, _, _, cache, meta = _inputs([(20, 1)], 16, 4, 2, 64, torch.float32, seed=1)
     out = torch.empty_like(q)

@@ -43,7 +43,7 @@ class PagedAttentionKernel:
             self._attend[dtype] = fn
             fn = getattr(lib, f"nanoserve_write_kv_{suffix}")
             fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
-            fn.restype = None
+            fn.restype = ctypes.c_int
             self._write[dtype] = fn
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -72,13 +72,14 @@ class PagedAttentionKernel:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Stores each new token's K and V at its flat slot (block * block_size + offset), as
-        `torch_ref.write_kv` does; slots must be in range (the scheduler allocates them)."""
+        `torch_ref.write_kv` does; raises IndexError, having written nothing, for a slot outside the pool."""
         if not (_token_rows(k) and _token_rows(v) and kv_cache.is_contiguous() and slot_mapping.is_contiguous()
                 and slot_mapping.dtype == torch.int64 and k.dtype == v.dtype == kv_cache.dtype):
             raise ValueError("write_kv: k and v need contiguous heads, the cache and slots contiguous int64")
         _, nb, bs, kvh, d = kv_cache.shape
-        self._write[k.dtype](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(),
-                             slot_mapping.data_ptr(), k.shape[0], kvh * d, nb * bs)
+        if not self._write[k.dtype](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(),
+                                    slot_mapping.data_ptr(), k.shape[0], kvh * d, nb * bs):
+            raise IndexError(f"write_kv: a slot outside the pool of {nb * bs} slots")
 
 
 def _token_rows(x: torch.Tensor) -> bool:

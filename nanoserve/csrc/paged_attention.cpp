@@ -219,14 +219,17 @@ bool paged_attention(const T* q, int64_t q_stride, const T* cache, T* out, const
 }
 
 template <typename T>
-void write_kv(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* cache, const int64_t* slot_mapping,
-              int64_t num_tokens, int64_t token_elems, int64_t num_slots) {
+int write_kv(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* cache, const int64_t* slot_mapping,
+             int64_t num_tokens, int64_t token_elems, int64_t num_slots) {
+  for (int64_t t = 0; t < num_tokens; ++t)  // checked first, so a bad slot writes nothing
+    if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return 0;
   T* v_plane = cache + num_slots * token_elems;
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = slot_mapping[t];
     std::memcpy(cache + slot * token_elems, k + t * k_stride, token_elems * sizeof(T));
     std::memcpy(v_plane + slot * token_elems, v + t * v_stride, token_elems * sizeof(T));
   }
+  return 1;
 }
 
 }  // namespace
@@ -254,15 +257,16 @@ int nanoserve_paged_attention_bf16(const uint16_t* q, int64_t q_stride, const ui
 }
 
 // Stores K and V rows [num_tokens, token_elems] (rows k_stride / v_stride elements apart) at
-// slot_mapping's slots of a layer's cache [2, num_slots, token_elems]; slots must be in range.
-void nanoserve_write_kv_f32(const float* k, int64_t k_stride, const float* v, int64_t v_stride, float* cache,
-                            const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems, int64_t num_slots) {
-  write_kv(k, k_stride, v, v_stride, cache, slot_mapping, num_tokens, token_elems, num_slots);
+// slot_mapping's slots of a layer's cache [2, num_slots, token_elems]. Returns 1, or 0 (and writes
+// nothing) when a slot is out of range.
+int nanoserve_write_kv_f32(const float* k, int64_t k_stride, const float* v, int64_t v_stride, float* cache,
+                           const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems, int64_t num_slots) {
+  return write_kv(k, k_stride, v, v_stride, cache, slot_mapping, num_tokens, token_elems, num_slots);
 }
-void nanoserve_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
-                             uint16_t* cache, const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems,
-                             int64_t num_slots) {
-  write_kv(k, k_stride, v, v_stride, cache, slot_mapping, num_tokens, token_elems, num_slots);
+int nanoserve_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
+                            uint16_t* cache, const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems,
+                            int64_t num_slots) {
+  return write_kv(k, k_stride, v, v_stride, cache, slot_mapping, num_tokens, token_elems, num_slots);
 }
 
 }  // extern "C"
