@@ -272,3 +272,26 @@ def test_guidellm_runs_against_our_server(tmp_path, server_url, demo_dir):
     (bench,) = json.loads(out.read_text())["benchmarks"]
     assert bench["metrics"]["request_totals"]["successful"] == 4
     assert bench["metrics"]["output_tokens_per_second"]["successful"]["mean"] > 0
+
+
+@pytest.mark.parametrize("speculation", [["--speculative-method", "ngram", "--workload", "repeat"],
+                                         ["--speculative-model", "DRAFT", "--workload", "chat"]])
+def test_spec_bench(tmp_path, capsys, speculation):
+    """`bench spec`: plain and speculative runs alternate, medians are reported with every run's rate,
+    and the acceptance figures come from the speculative engine."""
+    from nanoserve.model.demo import demo_draft_path
+
+    speculation = [str(demo_draft_path()) if a == "DRAFT" else a for a in speculation]
+    out = tmp_path / "spec.json"
+    assert main(["--log-level", "WARNING", "bench", "spec", *speculation, "--batch-sizes", "1", "2",
+                 "--max-tokens", "8", "--repeats", "2", "--threads", "1", "--max-model-len", "512",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert len(r["plain_runs"]) == len(r["spec_runs"]) == 2 and min(r["plain_runs"] + r["spec_runs"]) > 0
+        assert sorted(r["plain_runs"])[0] <= r["plain_tok_s"] <= sorted(r["plain_runs"])[-1]
+        assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
+        assert 0 <= r["acceptance_rate"] <= 1 and r["mean_accepted_length"] >= 1
+    text = capsys.readouterr().out
+    assert "repeats=2 (medians)" in text and "speed-up" in text

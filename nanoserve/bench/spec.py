@@ -6,13 +6,14 @@ Workloads:
 - `repeat`: prompts that quote a passage and ask for it again, so the answer copies the prompt
   (the case prompt lookup is made for).
 
-Reported per batch size: output tok/s without and with speculation, the speed-up, the draft
-acceptance rate and the mean tokens per verification (accepted drafts + 1).
+Reported per batch size: output tok/s without and with speculation (medians of alternating runs),
+the speed-up, the draft acceptance rate and the mean tokens per verification (accepted drafts + 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ class SpecBenchConfig:
     workload: str = "chat"
     batch_sizes: tuple[int, ...] = (1, 8)
     max_tokens: int = 128
+    repeats: int = 3  # alternating plain and speculative runs; each rate is the median of its runs
 
 
 def _timed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -61,24 +63,36 @@ def _timed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tupl
 
 
 def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> list[dict[str, Any]]:
-    """One row per batch size; the engines share the loaded target model."""
+    """One row per batch size; the engines share the loaded target model. Plain and speculative
+    runs alternate `repeats` times (a fresh engine each, so neither inherits the other's cache
+    state), and each rate is the median of its runs: a run of a second or less on a shared machine
+    moves by tens of percent. Greedy decoding makes every speculative run accept the same drafts;
+    acceptance is that of the last one."""
     if cfg.args.spec_method is None:
         raise ValueError("give --speculative-model or --speculative-method ngram")
+    if cfg.repeats < 1:
+        raise ValueError("repeats must be at least 1")
     loaded = loaded or load_model(cfg.args.model, dtype=cfg.args.dtype, device=cfg.args.device)
     base = dataclasses.replace(cfg.args, speculative_method=None, speculative_model=None, enable_prefix_caching=False)
     spec = dataclasses.replace(cfg.args, enable_prefix_caching=False)
     rows = []
     for bs in cfg.batch_sizes:
         prompts = [loaded.tokenizer.encode_chat(m) for m in workload_messages(cfg.workload, bs)]
-        results = []
-        for args in (base, spec):
-            engine = build_engine(dataclasses.replace(args, max_num_seqs=max(bs, 1)), loaded)
-            _timed(engine, prompts[:1], 4)  # warm-up
-            engine.spec_stats = SpecStats()
-            results.append((*_timed(engine, prompts, cfg.max_tokens), engine.spec_stats))
-        (t0, n0, _), (t1, n1, stats) = results
-        rows.append({"batch": bs, "plain_tok_s": n0 / t0, "spec_tok_s": n1 / t1, "speedup": (n1 / t1) / (n0 / t0),
-                     "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length})
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        stats = SpecStats()
+        for _ in range(cfg.repeats):
+            for speculating, args in ((False, base), (True, spec)):
+                engine = build_engine(dataclasses.replace(args, max_num_seqs=max(bs, 1)), loaded)
+                _timed(engine, prompts[:1], 4)  # warm-up
+                engine.spec_stats = SpecStats()
+                elapsed, tokens = _timed(engine, prompts, cfg.max_tokens)
+                rates[speculating].append(tokens / elapsed)
+                if speculating:
+                    stats = engine.spec_stats
+        plain, fast = statistics.median(rates[False]), statistics.median(rates[True])
+        rows.append({"batch": bs, "plain_tok_s": plain, "spec_tok_s": fast, "speedup": fast / plain,
+                     "plain_runs": rates[False], "spec_runs": rates[True], "acceptance_rate": stats.acceptance_rate,
+                     "mean_accepted_length": stats.mean_accepted_length})
     return rows
 
 

@@ -21,6 +21,8 @@ def register_spec(kinds: argparse._SubParsersAction) -> None:
                    help="chat: short questions; repeat: the answer copies a passage quoted in the prompt")
     s.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--repeats", type=int, default=3,
+                   help="alternating plain and speculative runs per batch size; the medians are reported")
     s.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     s.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     add_engine_args(s)
@@ -30,11 +32,11 @@ def register_spec(kinds: argparse._SubParsersAction) -> None:
 def run_spec(ns: argparse.Namespace) -> int:
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
-    cfg = SpecBenchConfig(engine_args_from(ns), ns.workload, tuple(ns.batch_sizes), ns.max_tokens)
+    cfg = SpecBenchConfig(engine_args_from(ns), ns.workload, tuple(ns.batch_sizes), ns.max_tokens, ns.repeats)
     rows = run_spec_bench(cfg)
     method = cfg.args.speculative_model or cfg.args.spec_method
     print(f"speculation={method} k={cfg.args.num_speculative_tokens} workload={cfg.workload} "
-          f"max_tokens={cfg.max_tokens}\n")
+          f"max_tokens={cfg.max_tokens} repeats={cfg.repeats} (medians)\n")
     print(format_rows(rows))
     if ns.json is not None:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
