@@ -8,8 +8,8 @@
 // core and moves half the bytes a matrix-vector product could. Here every row of W (in place,
 // [N, K] row-major as checkpoints store it: no packed copy) is read once for a whole block of rows
 // of x, while it sits in L1: each W vector feeds one FMA per row of x, so a single row runs at
-// memory speed and more rows add arithmetic, not traffic (the demo model's products: 5 rows 2.5x
-// one row). bf16 weights are widened to fp32 in registers (a shift), so a bf16 model streams half
+// memory speed and more rows add arithmetic, not traffic (the demo model's products: 5 rows cost
+// 2.2-2.5x one row). bf16 weights are widened to fp32 in registers (a shift), so a bf16 model streams half
 // the bytes of an fp32 one; accumulation is in fp32 and only the output is rounded to T.
 //
 // Structure: x in blocks of 64 rows (which stay in L2); for each, output columns are shared among
