@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from nanoserve.cache import cache_root
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "linear.cpp")
 HEADERS = (CSRC / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+# The element types the kernels are built for, and the suffix of each entry point's name.
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def load_cpu_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:

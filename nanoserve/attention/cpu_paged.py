@@ -20,10 +20,9 @@ import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
 from nanoserve.attention.torch_ref import SHORT_QUERY_MAX, TorchAttention
-from nanoserve.native import load_cpu_kernels
+from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
 
 HEAD_DIMS = frozenset((32, 64, 128, 256))  # compiled into the kernel
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class PagedAttentionKernel:
@@ -35,7 +34,7 @@ class PagedAttentionKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._attend, self._write = {}, {}
-        for dtype, suffix in _SUFFIX.items():
+        for dtype, suffix in DTYPE_SUFFIX.items():
             fn = getattr(lib, f"nanoserve_paged_attention_{suffix}")
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                            ctypes.c_int]

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.layers import apply_rope, rms_norm
-from nanoserve.native import load_cpu_kernels
+from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
 
 
 class LayerOps(Protocol):
@@ -69,7 +69,6 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # CpuLayerOps.linear's C++ product takes fp32 inputs of up to SMALL_M rows (MKL's GEMM is faster
 # beyond) and bf16 inputs of any size (torch's bf16 GEMM without native bf16 is 4x slower at 200 rows).
 SMALL_M = 16
@@ -81,12 +80,12 @@ class CpuLayerOps:
     [n, head_dim] as `rope_cos_sin` makes them): anything else raises ValueError before a pointer is
     passed, except in `linear`, which hands what it does not take to F.linear."""
 
-    DTYPES = frozenset(_SUFFIX)
+    DTYPES = frozenset(DTYPE_SUFFIX)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._linear, self._norm, self._rope, self._silu = {}, {}, {}, {}
-        for dtype, suffix in _SUFFIX.items():
+        for dtype, suffix in DTYPE_SUFFIX.items():
             self._linear[dtype] = _bind(lib, f"nanoserve_linear_{suffix}", ptr, ptr, ptr, ptr, i64, i64, i64, i32)
             self._norm[dtype] = _bind(lib, f"nanoserve_rms_norm_{suffix}", ptr, ptr, ptr, ptr, i64, i64, f32, i32)
             self._rope[dtype] = _bind(lib, f"nanoserve_qk_norm_rope_{suffix}", ptr, i64, i64, i64, i64, i64, ptr,
