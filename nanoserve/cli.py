@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
+from nanoserve.log import configure_logging
 from nanoserve.model import ModelLoadError, UnsupportedModelError
 
 COMMANDS = ("generate", "serve", "chat", "bench")
@@ -23,8 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(ns.log_level)
     try:
         return ns.func(ns)
     except (ModelLoadError, UnsupportedModelError, ValueError) as e:

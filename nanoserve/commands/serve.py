@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import uvicorn
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
+from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
-from nanoserve.server.async_engine import EngineState
+from nanoserve.server.engine_core import EngineState
 from nanoserve.server.launcher import serve_until_signal
 from nanoserve.server.tool_parsers import PARSER_NAMES
 
@@ -39,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="send each request's new tokens every N engine steps (and at its first token and its end); "
                         "N > 1 saves serving work at the cost of burstier streams")
+    p.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                   help="run the engine in a process of its own (default: the HTTP side and the engine then do not "
+                        "share one interpreter lock) or on a thread of the server process")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -47,23 +53,22 @@ def run(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns)
     name = ns.served_model_name or ns.model or DEMO_MODEL_NAME
 
-    def load() -> LLMEngine:
-        try:
-            return build_engine(args)
-        except BaseException:
-            server.should_exit = True  # nothing to serve: shut down (see the check below)
-            raise
+    def shut_down() -> None:
+        server.should_exit = True  # nothing to serve (see the check below)
 
-    app = build_app(load, ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser,
-                                          ns.stream_interval))
+    engine: EngineArgs | Callable[[], LLMEngine] = args
+    if ns.engine_core == "thread":
+        engine = functools.partial(build_engine, args)
+    app = build_app(engine, ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser,
+                                         ns.stream_interval), on_load_failure=shut_down)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=ns.shutdown_timeout,
                             log_level=logging.getLevelName(logging.getLogger().level).lower())
     server = uvicorn.Server(config)
     log.info("serving %s on http://%s:%d (loading the model; /health answers 503 until it is ready)",
              name, ns.host, ns.port)
     serve_until_signal(server)
-    engine = app.state.engine
-    if engine.state is EngineState.DEAD and engine.engine is None:
-        print(f"nanoserve: error: loading the model failed: {engine.error}", file=sys.stderr)
+    front = app.state.engine
+    if front.state is EngineState.DEAD and front.info is None:
+        print(f"nanoserve: error: loading the model failed: {front.error}", file=sys.stderr)
         return 1
     return 0

@@ -61,6 +61,43 @@ class KVStats(NamedTuple):
     prefix_evicted_blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What decides whether a request can ever run, apart from the engine (a front end in another
+    process validates with it before anything is queued). `reserve_blocks`: blocks every sequence
+    takes whatever its length (the contiguous layout), else 0."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    reserve_blocks: int
+    vocab_size: int
+    detokenizes: bool
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        """The most tokens one sequence can hold: the context length or the whole pool."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError, with the numbers, when a request can never run."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{total} ({len(prompt_ids)} in the prompt + {params.max_tokens} max_tokens)"
+            )
+        blocks = self.reserve_blocks or -(-total // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(f"the request needs {blocks} KV blocks; the pool has {self.num_blocks}")
+        if params.stop and not self.detokenizes:
+            raise ValueError("stop strings need a tokenizer")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+
 @dataclass(slots=True)
 class _Sequence:
     request: Request
@@ -109,6 +146,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids,
                                   self.device, select_backend(args.attention_backend, self.device))
         use_cuda_graphs(self.runner, kv_shape.num_kv_heads, args)
+        self.limits = EngineLimits(self.max_model_len, num_blocks, args.block_size, self.kv.reserve_blocks or 0,
+                                   vocab_size, tokenizer is not None)
         self.proposer = proposer
         self.num_speculative_tokens = args.num_speculative_tokens
         self.spec_stats = SpecStats()
@@ -128,21 +167,7 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError, with the numbers, when a request can never run."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{total} ({len(prompt_ids)} in the prompt + {params.max_tokens} max_tokens)"
-            )
-        if self.kv.blocks_for(total) > self.num_blocks:
-            raise ValueError(f"the request needs {self.kv.blocks_for(total)} KV blocks; the pool has {self.num_blocks}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-        vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.limits.validate(prompt_ids, params)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:

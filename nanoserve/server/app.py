@@ -1,9 +1,9 @@
 """The FastAPI app: OpenAI routes, /health, /metrics, /tokenize, /detokenize, auth and errors.
 
-`build_app` is the only way to get an app; everything the routes share (the engine thread,
-metrics registry, model name) lives in the app it builds, never at module level. The engine
-thread starts and stops with the app's lifespan; `app.state.engine` is the `AsyncEngine` (tests
-read its `snapshot` to check that the KV pool is free again).
+`build_app` is the only way to get an app; everything the routes share (the engine core's front
+end, metrics registry, model name) lives in the app it builds, never at module level. The engine
+core (a thread or a process) starts and stops with the app's lifespan; `app.state.engine` is the
+`AsyncEngine` (tests read its `snapshot` to check that the KV pool is free again).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.server.async_engine import AsyncEngine, EngineState
+from nanoserve.server.async_engine import AsyncEngine
+from nanoserve.server.engine_core import EngineState
 from nanoserve.server.errors import APIError, error_body, install_error_handlers, invalid_request
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -51,17 +53,23 @@ class ServerConfig:
                              f"{', '.join(PARSER_NAMES)}")
 
 
-def build_app(engine: LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None) -> FastAPI:
-    """An app serving `engine`: a built engine, or a loader run on the engine thread at startup
-    (/health answers 503 until it returns)."""
+def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: ServerConfig | None = None,
+              on_load_failure: Callable[[], None] | None = None) -> FastAPI:
+    """An app serving `engine`: a built engine or a loader, served from a thread of this process,
+    or `EngineArgs`, built and served in an engine-core process. A loader or `EngineArgs` load
+    at startup (/health answers 503 until the model is ready); `on_load_failure` is called if it
+    never is."""
     config = config or ServerConfig()
     if isinstance(engine, LLMEngine):
-        loader, name = _ready(engine), config.served_model_name or engine.args.model or DEMO_MODEL_NAME
+        loader: Callable[[], LLMEngine] | EngineArgs = _ready(engine)
+        name = config.served_model_name or engine.args.model or DEMO_MODEL_NAME
+    elif isinstance(engine, EngineArgs):
+        loader, name = engine, config.served_model_name or engine.model or DEMO_MODEL_NAME
     else:
         loader, name = engine, config.served_model_name or DEMO_MODEL_NAME
     metrics = Metrics()
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
-                               stream_interval=config.stream_interval)
+                               stream_interval=config.stream_interval, on_load_failure=on_load_failure)
     serving = Serving(async_engine, name, config.tool_call_parser)
 
     @asynccontextmanager
@@ -91,8 +99,8 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
     def model_card() -> dict[str, Any]:
         card: dict[str, Any] = {"id": serving.model_name, "object": "model", "created": created,
                                 "owned_by": "nanoserve"}
-        if serving.engine.engine is not None:
-            card["max_model_len"] = serving.engine.engine.max_model_len
+        if serving.engine.info is not None:
+            card["max_model_len"] = serving.engine.info.limits.max_model_len
         return card
 
     @app.get("/health")
@@ -130,7 +138,7 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
     async def tokenize(request: Request) -> JSONResponse:
         body = await _parse(request, TokenizeRequest)
         serving.check_request(body, body.model)
-        engine, tok = serving.running_engine(), serving.tokenizer()
+        info, tok = serving.running_info(), serving.tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
@@ -142,7 +150,7 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
                 raise APIError(400, str(e), param="messages") from e
         else:
             ids = await asyncio.to_thread(tok.encode, body.prompt or "", body.add_special_tokens is not False)
-        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+        return JSONResponse({"count": len(ids), "max_model_len": info.limits.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:

@@ -1,44 +1,56 @@
-"""The engine loop on its own thread, and the asyncio side that request handlers use.
+"""The front end of the engine core: what request handlers on the event loop use.
 
-Threads: only the engine thread touches the `LLMEngine` (add_request, step, abort, kv_stats).
-Handlers on the event loop hand it commands through a thread-safe queue, which it drains between
-steps and blocks on when idle (no busy-spin); outputs come back once per step through
-`loop.call_soon_threadsafe` into one asyncio queue per API request (`OutputStream`). Aborts
-therefore happen between steps, and an aborted request's blocks are free after the next drain.
+`AsyncEngine` runs the engine core (`nanoserve.server.engine_core`) on a thread of this process,
+given a loader, or in a process of its own, given `EngineArgs`, and talks to it the same way in
+both cases: commands go into a thread-safe queue (a forwarding thread writes them to the core's
+pipe in the process case), and the core's messages come back through
+`loop.call_soon_threadsafe` (from a reading thread in the process case). So everything on this
+side, the request table, the admission counts, state changes, runs on the event loop and needs
+no lock, and a handler never blocks on the core.
 
-Failures: an exception in `add_request` fails that request only; an exception in `step` fails
-every request in flight (the batch is shared), after which the engine must hold no request and no
-block, or it is declared dead (state DEAD, /health 503, new requests refused).
+Aborts happen between steps: an aborted request's blocks are free after the core's next
+iteration. A core that exits, by a stop, an error or a crashed process, fails every stream still
+open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import logging
+import multiprocessing
 import queue
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
-from nanoserve.engine.llm_engine import KVStats, LLMEngine, SequenceDelta
+from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.server.deltas import coalesce
+from nanoserve.server.engine_core import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineInfo,
+    EngineSnapshot,
+    EngineState,
+    Exited,
+    Message,
+    Ready,
+    Update,
+    run_core,
+    run_core_process,
+)
 from nanoserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-
-class EngineState(enum.Enum):
-    LOADING = "loading"
-    RUNNING = "running"
-    DEAD = "dead"
-    STOPPED = "stopped"
+PROCESS_STOP_TIMEOUT_S = 30.0
 
 
 class EngineError(RuntimeError):
@@ -53,59 +65,18 @@ class QueueFullError(RuntimeError):
     """`max_queued_requests` requests are already waiting."""
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's state after one iteration of the engine loop. Requests, not sequences: a
-    request is waiting while none of its sequences runs or has finished."""
-
-    num_running: int
-    num_waiting: int
-    kv: KVStats
-    prompt_tokens: int
-    generation_tokens: int
-    spec: SpecStats
-
-
-@dataclass(slots=True)
-class _Add:
-    stream: OutputStream
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: int
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-_Command = _Add | _Abort | None  # None stops the loop
-
-
-@dataclass(slots=True)
-class _Live:
-    """Engine-thread record of a request in the engine."""
-
-    stream: OutputStream
-    remaining: int  # sequences not finished
-    scheduled: bool = False
-    sent: bool = False  # whether any output went to the stream yet
-    held: list[SequenceDelta] = dataclasses.field(default_factory=list)  # not yet sent (stream_interval)
-    held_steps: int = 0  # steps whose outputs are in `held`
-
-
 class AsyncEngine:
-    """Owns the engine thread. States: LOADING -> RUNNING -> STOPPED (stop) or DEAD (a broken
-    engine); LOADING -> DEAD when the loader raises. Requests are accepted only while RUNNING and
-    while fewer than `max_queued_requests` requests wait, counting those handed off but not yet
-    seen by the engine, so the waiting queue is bounded at every moment."""
+    """Owns the engine core. States: LOADING -> RUNNING -> STOPPED (stop) or DEAD (a broken
+    engine or a dead process); LOADING -> DEAD when the loader raises. Requests are accepted only
+    while RUNNING and while fewer than `max_queued_requests` requests wait, counting those handed
+    off but not yet seen by the core, so the waiting queue is bounded at every moment."""
 
-    def __init__(self, loader: Callable[[], LLMEngine], *, max_queued_requests: int = 1024,
-                 metrics: Metrics | None = None, stream_interval: int = 1) -> None:
-        """`stream_interval`: a request's outputs go to its stream every this many steps (merged
-        per sequence), and always at its first output and when a sequence finishes; more than 1
-        trades inter-token latency for fewer, larger chunks (less event-loop and SSE work)."""
+    def __init__(self, loader: Callable[[], LLMEngine] | EngineArgs, *, max_queued_requests: int = 1024,
+                 metrics: Metrics | None = None, stream_interval: int = 1,
+                 on_load_failure: Callable[[], None] | None = None) -> None:
+        """`loader`: run on a thread of this process, or `EngineArgs` to build the engine from in
+        an engine-core process. `stream_interval`: see `EngineCore`. `on_load_failure` is called
+        on the event loop if the model never loads."""
         if max_queued_requests < 1:
             raise ValueError("max_queued_requests must be at least 1")
         if stream_interval < 1:
@@ -114,31 +85,39 @@ class AsyncEngine:
         self.stream_interval = stream_interval
         self.metrics = metrics
         self.state = EngineState.LOADING
-        self.error: BaseException | None = None
-        self.engine: LLMEngine | None = None  # set once loaded; read-only outside the engine thread
+        self.error: str | None = None
+        self.info: EngineInfo | None = None  # set once loaded
         self.snapshot: EngineSnapshot | None = None
         self._loader = loader
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards state changes, _handed_off and _waiting
-        self._handed_off = 0
+        self._on_load_failure = on_load_failure
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._streams: dict[str, OutputStream] = {}  # engine request id -> its API request's stream
+        self._handed_off = 0  # AddRequests the core has not taken yet
         self._waiting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._live: dict[str, _Live] = {}  # engine thread only
+        self._threads: list[threading.Thread] = []
+        self._process: BaseProcess | None = None
 
-    # ---- event-loop side -------------------------------------------------------------------
+    @property
+    def in_process(self) -> bool:
+        """Whether the core runs in a process of its own."""
+        return isinstance(self._loader, EngineArgs)
 
     def start(self) -> None:
-        """Starts the engine thread (which loads the model); call from the event loop."""
+        """Starts the core (which loads the model); call from the event loop."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-        self._thread.start()
+        if isinstance(self._loader, EngineArgs):
+            self._start_process(self._loader)
+        else:
+            self._threads = [threading.Thread(target=run_core, name="nanoserve-engine", daemon=True,
+                                              args=(self._loader, self.stream_interval, self._receive, self._post))]
+            self._threads[0].start()
 
     async def stop(self) -> None:
-        """Aborts every request still in the engine, fails their streams and joins the thread."""
-        if self._thread is not None:
+        """Stops the core: every request still in it is aborted and its stream failed."""
+        if self._loop is not None:
             self._commands.put(None)
-            await asyncio.to_thread(self._thread.join)
+            await asyncio.to_thread(self._join)
 
     def unavailable_reason(self) -> str:
         return {
@@ -150,175 +129,141 @@ class AsyncEngine:
     def add(self, prompts: list[list[int]], params: SamplingParams, *, priority: int = 0,
             kind: str = "cmpl") -> OutputStream:
         """Hands each prompt to the engine as one request with `params`. The caller has validated
-        them (engine.validate). Raises EngineUnavailableError or QueueFullError."""
+        them (EngineLimits.validate). Raises EngineUnavailableError or QueueFullError."""
+        if self.state is not EngineState.RUNNING:
+            raise EngineUnavailableError(self.unavailable_reason())
+        if self._handed_off + self._waiting + len(prompts) > self.max_queued_requests:
+            raise QueueFullError(f"{self._handed_off + self._waiting} requests are waiting "
+                                 f"(max_queued_requests={self.max_queued_requests})")
         api_id = f"{kind}-{uuid.uuid4().hex}"
         ids = [api_id] if len(prompts) == 1 else [f"{api_id}-{i}" for i in range(len(prompts))]
-        with self._lock:
-            if self.state is not EngineState.RUNNING:
-                raise EngineUnavailableError(self.unavailable_reason())
-            if self._handed_off + self._waiting + len(prompts) > self.max_queued_requests:
-                raise QueueFullError(f"{self._handed_off + self._waiting} requests are waiting "
-                                     f"(max_queued_requests={self.max_queued_requests})")
-            stream = OutputStream(self, api_id, ids, params.n)
-            for rid, prompt in zip(ids, prompts, strict=True):
-                self._commands.put(_Add(stream, rid, prompt, dataclasses.replace(params), priority))
-            self._handed_off += len(prompts)
+        stream = OutputStream(self, api_id, ids, params.n)
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self._streams[rid] = stream
+            self._commands.put(AddRequest(rid, prompt, dataclasses.replace(params), priority))
+        self._handed_off += len(prompts)
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._commands.put(_Abort(rid))
+            if self._streams.pop(rid, None) is not None:
+                self._commands.put(AbortRequest(rid))
 
-    def _dispatch(self, outputs: dict[OutputStream, list[SequenceDelta]],
-                  scheduled: list[tuple[OutputStream, str]], started: float) -> None:
-        for stream, rid in scheduled:
-            stream._on_scheduled(rid, started)
-        for stream, deltas in outputs.items():
-            stream._push(deltas)
+    # ---- messages from the core (on the event loop) -----------------------------------------
 
-    # ---- engine thread ---------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            engine = self._loader()
-        except BaseException as e:
-            log.exception("loading the model failed")
-            self._exit(None, EngineState.DEAD, e)
-            return
-        self.engine = engine
-        self._publish(engine)
-        with self._lock:
+    def _on_message(self, message: Message) -> None:
+        if isinstance(message, Update):
+            self._on_update(message)
+        elif isinstance(message, Ready):
+            self.info = message.info
+            self._set_snapshot(message.snapshot)
             self.state = EngineState.RUNNING
-        try:
-            self._serve(engine)
-        except BaseException as e:
-            log.exception("the engine loop failed; the engine is dead")
-            self._exit(engine, EngineState.DEAD, e)
         else:
-            self._exit(engine, EngineState.STOPPED, None)
+            self._on_exit(message)
 
-    def _serve(self, engine: LLMEngine) -> None:
-        while self._apply_commands(engine, block=not engine.has_unfinished()):
-            if not engine.has_unfinished():
-                continue
-            started = time.monotonic()
-            try:
-                deltas = engine.step()
-            except Exception as e:
-                log.exception("an engine step failed; failing the requests in flight")
-                self._fail_live(engine, EngineError(f"the engine failed: {type(e).__name__}: {e}"))
-                if engine.has_unfinished() or engine.kv_stats().blocks_used:
-                    raise RuntimeError("the engine still holds requests or blocks after a failed step") from e
-                self._publish(engine)
-                continue
-            self._deliver(engine, deltas, started)
+    def _on_update(self, update: Update) -> None:
+        self._handed_off -= update.applied_adds
+        self._waiting = update.snapshot.num_waiting
+        self._set_snapshot(update.snapshot)
+        for rid in update.scheduled:
+            if (stream := self._streams.get(rid)) is not None:
+                stream._on_scheduled(rid, update.started)
+        for rid, reason in update.failed.items():
+            if (stream := self._streams.pop(rid, None)) is not None:
+                stream._fail(EngineError(reason))
+        outputs: dict[OutputStream, list[SequenceDelta]] = {}
+        for d in update.deltas:
+            if (stream := self._streams.get(d.request_id)) is not None:
+                outputs.setdefault(stream, []).append(d)
+        for stream, deltas in outputs.items():
+            for rid in stream._push(deltas):
+                del self._streams[rid]
 
-    def _apply_commands(self, engine: LLMEngine, block: bool) -> bool:
-        """Applies every queued command; False once a stop was among them."""
-        commands: list[_Command] = [self._commands.get()] if block else []
+    def _on_exit(self, exited: Exited) -> None:
+        self.state, self.error = exited.state, exited.error
+        reason = EngineUnavailableError(self.unavailable_reason())
+        streams, self._streams = set(self._streams.values()), {}
+        for stream in streams:
+            stream._fail(reason)
+        if self.info is None and self._on_load_failure is not None:
+            self._on_load_failure()
+
+    def _set_snapshot(self, snapshot: EngineSnapshot) -> None:
+        self.snapshot = snapshot
+        if self.metrics is not None:
+            self.metrics.update_engine(snapshot)
+
+    # ---- the core's side of the queue and the transport ---------------------------------------
+
+    def _receive(self, block: bool) -> list[Command]:
+        """The commands queued so far (on the core thread); with `block`, waits for one."""
+        commands: list[Command] = [self._commands.get()] if block else []
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
-                break
-        adds = 0
-        for cmd in commands:
-            if isinstance(cmd, _Add):
-                adds += 1
-                self._add(engine, cmd)
-            elif isinstance(cmd, _Abort):
-                self._live.pop(cmd.request_id, None)
-                engine.abort(cmd.request_id)
-        self._publish(engine, applied_adds=adds)
-        return None not in commands
+                return commands
 
-    def _add(self, engine: LLMEngine, cmd: _Add) -> None:
-        try:
-            engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.priority)
-        except Exception as e:
-            log.exception("adding request %s failed", cmd.request_id)
-            self._post(cmd.stream._fail, EngineError(f"the engine refused the request: {e}"))
-            return
-        self._live[cmd.request_id] = _Live(cmd.stream, cmd.params.n)
-
-    def _deliver(self, engine: LLMEngine, deltas: list[SequenceDelta], started: float) -> None:
-        waiting = self._publish(engine)
-        outputs: dict[OutputStream, list[SequenceDelta]] = {}
-        scheduled: list[tuple[OutputStream, str]] = []
-        for rid, live in self._live.items():
-            if not live.scheduled and rid not in waiting:
-                live.scheduled = True
-                scheduled.append((live.stream, rid))
-        stepped: dict[str, _Live] = {}
-        for d in deltas:
-            live = self._live.get(d.request_id)
-            if live is None:
-                continue
-            live.held.append(d)
-            stepped[d.request_id] = live
-            if d.finished:
-                live.remaining -= 1
-                if live.remaining == 0:
-                    del self._live[d.request_id]
-        for live in stepped.values():
-            live.held_steps += 1
-            due = not live.sent or live.held_steps >= self.stream_interval
-            if due or any(d.finished for d in live.held):
-                held = live.held if len(live.held) == 1 else coalesce(live.held)
-                outputs.setdefault(live.stream, []).extend(held)
-                live.held, live.held_steps, live.sent = [], 0, True
-        if outputs or scheduled:
-            self._post(self._dispatch, outputs, scheduled, started)
-
-    def _publish(self, engine: LLMEngine, applied_adds: int = 0) -> set[str]:
-        """Publishes the snapshot (and the waiting count the admission check reads); returns
-        the ids of the waiting requests."""
-        sched = engine.scheduler
-        running = {r.request_id for r in sched.running}
-        waiting = {r.request_id for r in sched.waiting} - running
-        snap = EngineSnapshot(len(running), len(waiting), engine.kv_stats(), engine.num_prompt_tokens,
-                              engine.num_generated_tokens, dataclasses.replace(engine.spec_stats))
-        with self._lock:
-            self._handed_off -= applied_adds
-            self._waiting = len(waiting)
-        self.snapshot = snap
-        if self.metrics is not None:
-            self.metrics.update_engine(snap)
-        return waiting
-
-    def _fail_live(self, engine: LLMEngine, error: EngineError) -> None:
-        """Fails the stream of every request in the engine, then aborts the requests."""
-        live, self._live = self._live, {}
-        for entry in live.values():
-            self._post(entry.stream._fail, error)
-        for rid in live:
-            engine.abort(rid)
-
-    def _exit(self, engine: LLMEngine | None, state: EngineState, error: BaseException | None) -> None:
-        with self._lock:
-            self.state, self.error = state, error
-        reason = EngineUnavailableError(self.unavailable_reason())
-        while True:  # no add can be queued any more: add() checks the state under the lock
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Add):
-                self._post(cmd.stream._fail, reason)
-        if engine is None:
-            return
-        try:
-            self._fail_live(engine, reason)
-            self._publish(engine)
-        except Exception:
-            log.exception("cleaning up the engine failed")
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+    def _post(self, message: Message) -> None:
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(self._on_message, message)
         except RuntimeError:
-            log.debug("the event loop is closed; dropping an engine output")
+            log.debug("the event loop is closed; dropping an engine message")
+
+    def _start_process(self, args: EngineArgs) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork: this process has threads
+        commands_r, commands_w = ctx.Pipe(duplex=False)
+        outputs_r, outputs_w = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=run_core_process, name="nanoserve-engine-core", daemon=True,
+                                    args=(args, self.stream_interval, commands_r, outputs_w,
+                                          logging.getLogger().getEffectiveLevel()))
+        self._process.start()
+        commands_r.close()  # the core's ends: only the core may hold them, so that either side's
+        outputs_w.close()  # exit is the other's end of file
+        self._threads = [
+            threading.Thread(target=self._forward, args=(commands_w,), name="nanoserve-core-writer", daemon=True),
+            threading.Thread(target=self._read, args=(outputs_r, self._process), name="nanoserve-core-reader",
+                             daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _forward(self, pipe: Connection) -> None:
+        """Writes the queued commands to the core's pipe until the stop command (or a dead core)."""
+        with pipe:
+            while True:
+                command = self._commands.get()
+                try:
+                    pipe.send(command)
+                except OSError:
+                    return
+                if command is None:
+                    return
+
+    def _read(self, pipe: Connection, process: BaseProcess) -> None:
+        """Posts the core's messages until its `Exited`; a core that dies without one is dead."""
+        with pipe:
+            while True:
+                try:
+                    message = pipe.recv()
+                except (EOFError, OSError):
+                    break
+                self._post(message)
+                if isinstance(message, Exited):
+                    return
+        process.join(timeout=PROCESS_STOP_TIMEOUT_S)
+        self._post(Exited(EngineState.DEAD, f"the engine process exited with code {process.exitcode}"))
+
+    def _join(self) -> None:
+        if self._process is not None:
+            self._process.join(timeout=PROCESS_STOP_TIMEOUT_S)
+            if self._process.is_alive():
+                log.warning("the engine process did not stop in %.0f s; terminating it", PROCESS_STOP_TIMEOUT_S)
+                self._process.terminate()
+                self._process.join()
+        for thread in self._threads:
+            thread.join()
 
 
 @dataclass(slots=True)
@@ -386,10 +331,12 @@ class OutputStream:
         if progress is not None and self._metrics is not None:
             self._metrics.queue_time.observe(max(started - progress.arrival, 0.0))
 
-    def _push(self, deltas: list[SequenceDelta]) -> None:
+    def _push(self, deltas: list[SequenceDelta]) -> list[str]:
+        """Queues the deltas of requests still open; returns the ids of those that ended."""
         deltas = [d for d in deltas if d.request_id in self._open]
+        ended: list[str] = []
         if not deltas:
-            return
+            return ended
         now = time.monotonic()
         for rid in dict.fromkeys(d.request_id for d in deltas):
             p = self._open[rid]
@@ -407,8 +354,10 @@ class OutputStream:
             p.remaining -= 1
             if p.remaining == 0:
                 del self._open[d.request_id]
+                ended.append(d.request_id)
                 if self._metrics is not None:
                     self._metrics.record_finished(p.reason or d.finish_reason or "stop", now - p.arrival)
         self._queue.put_nowait(deltas)
         if not self._open:
             self._queue.put_nowait(None)
+        return ended

@@ -17,16 +17,16 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta
+from nanoserve.engine.llm_engine import EngineLimits, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server.async_engine import (
     AsyncEngine,
     EngineError,
-    EngineState,
     EngineUnavailableError,
     OutputStream,
     QueueFullError,
 )
+from nanoserve.server.engine_core import EngineInfo, EngineState
 from nanoserve.server.errors import APIError
 from nanoserve.server.tool_parsers import ToolCallParser, parser_factory
 from nanoserve.tokenizer import Tokenizer
@@ -53,14 +53,15 @@ class Serving:
                            "server with --tool-call-parser hermes or llama3_json", param="tools")
         return parser
 
-    def running_engine(self) -> LLMEngine:
-        """The engine, or a 503 while it is loading, dead or shutting down."""
-        if self.engine.engine is None or self.engine.state is not EngineState.RUNNING:
+    def running_info(self) -> EngineInfo:
+        """The loaded engine's tokenizer and limits, or a 503 while it is loading, dead or shutting
+        down."""
+        if self.engine.info is None or self.engine.state is not EngineState.RUNNING:
             raise APIError(503, self.engine.unavailable_reason(), code="engine_unavailable")
-        return self.engine.engine
+        return self.engine.info
 
     def tokenizer(self) -> Tokenizer:
-        tok = self.running_engine().tokenizer
+        tok = self.running_info().tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer")
         return tok
@@ -86,10 +87,10 @@ class Serving:
             raise APIError(503, str(e), code="engine_unavailable") from e
 
 
-def validate_prompt(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
+def validate_prompt(limits: EngineLimits, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
     """400, with the numbers, for a prompt the engine could never run."""
     try:
-        engine.validate(prompt_ids, params)
+        limits.validate(prompt_ids, params)
     except ValueError as e:
         raise APIError(400, str(e), param=param) from e
 

@@ -21,10 +21,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta
+from nanoserve.engine.llm_engine import SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
+from nanoserve.server.engine_core import EngineInfo
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest
 from nanoserve.server.serving import (
@@ -42,10 +43,10 @@ from nanoserve.server.tool_parsers import ToolCall, ToolCallParser
 from nanoserve.tokenizer import Tokenizer
 
 
-def prepare_chat(engine: LLMEngine, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+def prepare_chat(info: EngineInfo, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
     """Prompt ids and sampling params; max_tokens defaults to the rest of the context (or of the
     KV pool, if smaller). Blocking (template + tokenizer), so handlers run it in a worker thread."""
-    tok = engine.tokenizer
+    tok = info.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer")
     messages = [m.to_template() for m in body.messages]
@@ -56,19 +57,18 @@ def prepare_chat(engine: LLMEngine, body: ChatCompletionRequest) -> tuple[list[i
         raise APIError(400, str(e), param="messages") from e
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
-        capacity = min(engine.max_model_len, engine.num_blocks * engine.kv.block_size)
-        max_tokens = max(capacity - len(ids), 1)
+        max_tokens = max(info.limits.max_tokens_in_pool - len(ids), 1)
     params = body.sampling_params(max_tokens, body.requested_logprobs())
-    validate_prompt(engine, ids, params, "messages")
+    validate_prompt(info.limits, ids, params, "messages")
     return ids, params
 
 
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
     serving.check_request(body, body.model)
-    engine = serving.running_engine()
+    info = serving.running_info()
     tok = serving.tokenizer()
     parser = serving.tool_parser(tok) if body.template_tools() is not None else None
-    ids, params = await asyncio.to_thread(prepare_chat, engine, body)
+    ids, params = await asyncio.to_thread(prepare_chat, info, body)
     stream = serving.submit([ids], params, body.priority or 0, "chatcmpl")
     if body.stream:
         events = _events(serving, stream, tok, params.n, body.include_usage, parser)
