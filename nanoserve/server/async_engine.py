@@ -98,11 +98,6 @@ class AsyncEngine:
         self._threads: list[threading.Thread] = []
         self._process: BaseProcess | None = None
 
-    @property
-    def in_process(self) -> bool:
-        """Whether the core runs in a process of its own."""
-        return isinstance(self._loader, EngineArgs)
-
     def start(self) -> None:
         """Starts the core (which loads the model); call from the event loop."""
         self._loop = asyncio.get_running_loop()
