@@ -1,5 +1,6 @@
 """The CPU attention backend: the C++ paged-attention kernel against dense attention computed one
-sequence at a time, its fallbacks, and how 'auto' selects it (the build cache: test_layer_ops.py).
+sequence at a time (decodes, drafts, and prefill chunks longer than a tile of 16 tokens, mixed in
+one batch), its tiling, its fallbacks, and how 'auto' selects it (the build cache: test_layer_ops.py).
 
 The kernel is built with the machine's g++ (CI machines have one); on a machine without a compiler
 these tests skip, and only then, since `select_backend('auto')` falls back to torch there."""
@@ -13,7 +14,6 @@ import torch
 
 from nanoserve.attention import CpuPagedAttention, TorchAttention, select_backend
 from nanoserve.attention.cpu_paged import HEAD_DIMS, load_paged_attention
-from nanoserve.attention.torch_ref import SHORT_QUERY_MAX
 
 from support import dense_attention, paged_batch
 
@@ -52,7 +52,13 @@ SPECS = {
     "decodes": [(1, 1), (17, 1), (300, 1), (64, 1), (33, 1)],
     "decodes and drafts": [(9, 1), (30, 5), (17, 5), (40, 5), (3, 2)],
     "short prefills": [(25, 4), (16, 16), (8, 8), (1, 1)],
-    "with long chunks": [(20, 1), (60, SHORT_QUERY_MAX + 9), (33, 5), (40, 40), (7, 3)],
+    "with long chunks": [(20, 1), (60, 25), (33, 5), (40, 40), (7, 3)],
+    # Longer than one tile (16 new tokens): 17 is a tile and a token, 40 two tiles and a half, 130
+    # eight tiles and two tokens. After earlier context a chunk starts inside a block ((48, 32): on
+    # a block boundary at block size 16).
+    "long prefills": [(17, 17), (40, 40), (130, 130)],
+    "long chunks after context": [(50, 17), (100, 40), (300, 130), (48, 32)],
+    "long chunks among decodes": [(20, 1), (9, 1), (300, 1), (64, 17), (40, 40), (33, 5), (200, 130), (7, 3)],
 }
 
 
@@ -88,13 +94,46 @@ def test_q_k_v_as_columns_of_a_fused_qkv(backend, name, dtype):
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_bf16_matches_dense_attention(backend, name):
-    q, k, v, cache, meta = _inputs(SPECS[name], 16, 4, 2, 64, torch.bfloat16, seed=7)
-    expected = _expected(q, k, v, cache, meta, 0.125)
-    out = backend.forward(q, k, v, cache, meta, 0.125)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (2, 2, 32), (8, 2, 128)])
+def test_bf16_matches_dense_attention(backend, name, num_heads, num_kv_heads, head_dim):
+    q, k, v, cache, meta = _inputs(SPECS[name], 16, num_heads, num_kv_heads, head_dim, torch.bfloat16, seed=7)
+    scale = head_dim**-0.5
+    expected = _expected(q, k, v, cache, meta, scale)
+    out = backend.forward(q, k, v, cache, meta, scale)
     assert out.dtype == torch.bfloat16
     # One bf16 rounding of the result (relative 2^-8) on values of order 1.
     torch.testing.assert_close(out.double(), expected, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (2, 2, 32), (8, 2, 128)])
+def test_long_queries_match_the_torch_backend(backend, dtype, num_heads, num_kv_heads, head_dim):
+    """What the kernel now attends in place of `TorchAttention`'s per-sequence SDPA (chunks of more
+    than 16 new tokens) agrees with it, in both dtypes, and writes the same pool."""
+    q, k, v, cache, meta = _inputs(SPECS["long chunks among decodes"], 16, num_heads, num_kv_heads, head_dim, dtype,
+                                   seed=head_dim)
+    scale = head_dim**-0.5
+    pool = cache.clone()
+    out = backend.forward(q, k, v, cache, meta, scale)
+    reference = TorchAttention().forward(q, k, v, pool, meta, scale)
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2  # bf16: each side rounds its result once
+    torch.testing.assert_close(out.float(), reference.float(), atol=tol, rtol=tol)
+    assert torch.equal(pool, cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_row_does_not_depend_on_the_tiling(backend, dtype, block_size):
+    """Token i of a long chunk (tiles of 16 tokens) gets, bit for bit, what a query of that token
+    alone gets over the same prefix: the arithmetic of a row is the same whichever tile holds it."""
+    q, k, v, cache, meta = _inputs([(5, 1), (300, 130)], block_size, 4, 2, 64, dtype, seed=block_size)
+    out = backend.forward(q, k, v, cache, meta, 0.125)  # writes the step's K/V into the pool
+    start, seq_len, q_len = meta.query_start_loc_cpu[1], 300, 130
+    for i in (0, 15, 16, 17, 31, 100, 129):
+        alone = torch.empty_like(q[:1])
+        backend.kernel(q[start + i : start + i + 1], cache, alone, meta.block_tables[1:],
+                       torch.tensor([seq_len - q_len + i + 1]), torch.tensor([0, 1]), 0.125, 1)
+        assert torch.equal(alone[0], out[start + i]), i
 
 
 def test_extreme_scores_stay_finite(backend):
@@ -128,8 +167,7 @@ def test_kernel_refuses_non_contiguous_input(backend):
     q, _, _, cache, meta = _inputs([(20, 1)], 16, 4, 2, 64, torch.float32, seed=1)
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="contiguous"):
-        backend.kernel(q, cache[:, :, :, :1], out, meta.block_tables, meta.seq_lens,
-                       torch.tensor(meta.query_start_loc_cpu), torch.tensor([0]), 0.125, 1)
+        backend.kernel(q, cache[:, :, :, :1], out, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 1)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -142,6 +180,21 @@ def test_threads_give_the_same_result(backend, threads):
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(out.double(), _expected(q, k, v, cache, meta, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_tiles_shared_among_threads_give_identical_results(backend):
+    """One long chunk's tiles, and the decodes around it, spread over threads: bit for bit what one
+    thread computes (each tile writes only its own rows)."""
+    q, k, v, cache, meta = _inputs(SPECS["long chunks among decodes"] + [(520, 513)], 16, 4, 2, 64,
+                                   torch.float32, seed=12)
+    backend.kernel.write_kv(k, v, cache, meta.slot_mapping)
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.full_like(q, float("nan"))
+        backend.kernel(q, cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, threads)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    torch.testing.assert_close(outs[0].double(), _expected(q, k, v, cache, meta, 0.125), atol=2e-5, rtol=2e-5)
 
 
 def test_selection(monkeypatch, tmp_path):
@@ -167,7 +220,6 @@ def test_empty_sequence_gets_zeros(backend):
     seq_lens = meta.seq_lens.clone()
     seq_lens[1] = 0
     out = torch.full_like(q, float("nan"))
-    backend.kernel(q, cache, out, meta.block_tables, seq_lens, torch.tensor(meta.query_start_loc_cpu),
-                   torch.tensor([0, 1]), 0.125, 1)
+    backend.kernel(q, cache, out, meta.block_tables, seq_lens, meta.query_start_loc, 0.125, 1)
     assert (out[1] == 0).all()
     torch.testing.assert_close(out[0], expected[0])

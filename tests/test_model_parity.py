@@ -11,6 +11,7 @@ import torch
 
 from nanoserve.model import ModelLoadError, UnsupportedModelError, load_model
 from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps, select_layer_ops
+from nanoserve.model.layers import rope_cos_sin
 
 from conftest import FAMILIES
 from support import forward_chunks, full_logits
@@ -50,6 +51,28 @@ def test_logits_match_transformers(make_checkpoint, family, ops):
     chunked = forward_chunks(loaded, [[s[:1], s[1:9], s[9:]] if len(s) > 9 else [s] for s in seqs])
     for o, r in zip(chunked, ref, strict=True):
         assert (o - r).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rotary_tables_give_the_bits_of_computing_cos_sin(make_checkpoint, monkeypatch, family, dtype):
+    """On the CPU `CausalLM.rope` looks cos and sin up in a table per dtype: the same bits as
+    `rope_cos_sin` computing them for the step's positions (what the model did before the tables),
+    for positions in any order and number, and past the table's end (which grows it), and so for
+    whole forward passes."""
+    loaded = load_model(make_checkpoint(family), dtype=dtype)
+    model, limit = loaded.model, loaded.config.max_position_embeddings
+    for positions in (torch.arange(70), torch.tensor([5]), torch.randint(limit, (333,)),
+                      torch.tensor([limit - 1, 0, limit + 5]), torch.tensor([3000, 1]),
+                      torch.tensor([], dtype=torch.int64)):
+        cos, sin = model.rope(positions, dtype)
+        ref_cos, ref_sin = rope_cos_sin(positions, model.inv_freq, dtype)
+        assert cos.dtype == dtype and torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    seqs = _random_seqs(loaded.config.vocab_size, seed=3)
+    tables = forward_chunks(loaded, [[s[:1], s[1:9], s[9:]] if len(s) > 9 else [s] for s in seqs])
+    monkeypatch.setattr(model, "rope", lambda positions, dt: rope_cos_sin(positions, model.inv_freq, dt))
+    computed = forward_chunks(loaded, [[s[:1], s[1:9], s[9:]] if len(s) > 9 else [s] for s in seqs])
+    assert all(torch.equal(a, b) for a, b in zip(tables, computed, strict=True))
 
 
 def test_bf16_close_to_fp32(make_checkpoint):

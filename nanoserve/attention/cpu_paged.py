@@ -1,11 +1,13 @@
-"""The CPU attention backend: a C++ paged-attention kernel for decodes and short queries.
+"""The CPU attention backend: a C++ paged-attention kernel for every query, decode or prefill chunk.
 
 `TorchAttention` gathers each sequence's blocks into a padded copy before attending; at 64 decodes
-of a few hundred tokens that copy and SDPA's padded pass are about 40% of a step. The kernel in
+of a few hundred tokens that copy and SDPA's padded pass are about 40% of a step, and for prefill
+chunks torch takes SDPA's math path over a materialised score matrix. The kernel in
 `nanoserve/csrc/paged_attention.cpp` reads K and V straight from the block pool, once per KV head
-for all the query heads and new tokens that share it, with an online softmax. Longer prefill chunks (more than
-`SHORT_QUERY_MAX` new tokens) still go through `TorchAttention`'s per-sequence SDPA, whose blocked
-GEMMs suit long queries better.
+for all the query heads that share it, with an online softmax. It cuts each sequence's new tokens
+into tiles of up to 16 tokens (a decode, or one with up to 15 drafts, is one tile), walks for each
+tile only the blocks its last token can see, and shares the tiles of all sequences among the torch
+threads; each query row's arithmetic is the same whatever the tiling.
 
 The kernel is part of the library that `nanoserve.native` compiles on first use; where no compiler
 works, `load_paged_attention` returns None and 'auto' selects `TorchAttention`.
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.attention.torch_ref import SHORT_QUERY_MAX, TorchAttention
+from nanoserve.attention.torch_ref import TorchAttention
 from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
 
 HEAD_DIMS = frozenset((32, 64, 128, 256))  # compiled into the kernel
@@ -36,7 +38,7 @@ class PagedAttentionKernel:
         self._attend, self._write = {}, {}
         for dtype, suffix in DTYPE_SUFFIX.items():
             fn = getattr(lib, f"nanoserve_paged_attention_{suffix}")
-            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                            ctypes.c_int]
             fn.restype = ctypes.c_int
             self._attend[dtype] = fn
@@ -49,22 +51,20 @@ class PagedAttentionKernel:
         return dtype in self._attend and head_dim in HEAD_DIMS
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, query_start: torch.Tensor, seq_ids: torch.Tensor | None, scale: float,
-                 num_threads: int) -> None:
-        """Writes into `out` the attention of the listed sequences' query rows (`seq_ids`; None: all
-        of them), reading K and V from `kv_cache` (see the source)."""
-        indices = (block_tables, seq_lens, query_start) + (() if seq_ids is None else (seq_ids,))
+                 seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float, num_threads: int) -> None:
+        """Writes into `out` the attention of every sequence's query rows, reading K and V from
+        `kv_cache` (see the source), on `num_threads` threads."""
+        indices = (block_tables, seq_lens, query_start)
         if not (_token_rows(q) and all(t.is_contiguous() for t in (kv_cache, out, *indices))):
             raise ValueError("the paged-attention kernel reads raw memory: q's heads and every other tensor must "
                              "be contiguous")
         if not all(t.dtype == torch.int64 for t in indices):
             raise ValueError("block tables, sequence lengths and offsets must be int64")
         _, nb, bs, kvh, d = kv_cache.shape
-        listed = seq_lens.shape[0] if seq_ids is None else seq_ids.shape[0]
         ran = self._attend[q.dtype](
             q.data_ptr(), q.stride(0), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], seq_lens.data_ptr(), query_start.data_ptr(),
-            None if seq_ids is None else seq_ids.data_ptr(), listed, q.shape[1], kvh, d, bs, nb, scale, num_threads,
+            block_tables.shape[1], seq_lens.data_ptr(), query_start.data_ptr(), seq_lens.shape[0], q.shape[1], kvh,
+            d, bs, nb, scale, num_threads,
         )
         if not ran:
             raise ValueError(f"the paged-attention kernel has no build for head size {d}")
@@ -94,7 +94,7 @@ def load_paged_attention(cache_dir: Path | None = None) -> PagedAttentionKernel 
 
 
 class CpuPagedAttention(TorchAttention):
-    """Decodes and short queries through `PagedAttentionKernel`; longer prefill chunks, and
+    """Every query, whatever its length, through `PagedAttentionKernel` in one call per layer;
     anything the kernel does not take (a dtype other than fp32/bf16, a head size it has no build
     for, a non-CPU tensor), through `TorchAttention`."""
 
@@ -115,17 +115,6 @@ class CpuPagedAttention(TorchAttention):
             return super().forward(q, k, v, kv_cache, meta, scale)
         self.kernel.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
-        threads = torch.get_num_threads()
-        if meta.max_query_len <= SHORT_QUERY_MAX:  # decodes, drafts, short chunks: all in the kernel
-            self.kernel(q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, None, scale,
-                        threads)
-            return out
-        qsl = meta.query_start_loc_cpu
-        short, long = [], []
-        for s in range(meta.num_seqs):
-            (short if qsl[s + 1] - qsl[s] <= SHORT_QUERY_MAX else long).append(s)
-        if short:
-            self.kernel(q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                        torch.tensor(short, dtype=torch.int64), scale, threads)
-        self._attend_long(q, kv_cache[0], kv_cache[1], meta, long, scale, out)
+        self.kernel(q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                    torch.get_num_threads())
         return out

@@ -11,7 +11,6 @@ token at position p of a sequence lives in block `block_tables[s, p // block_siz
 
 from __future__ import annotations
 
-import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -35,14 +34,11 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     num_decodes: int
     block_size: int
-    # Derived once per step from query_start_loc_cpu (every layer's attention reads them):
+    # Derived once per step from query_start_loc_cpu (every layer's attention reads it):
     query_start_loc: torch.Tensor = field(init=False)  # [num_seqs + 1] int64, on the CPU
-    max_query_len: int = field(init=False)
 
     def __post_init__(self) -> None:
-        qsl = self.query_start_loc_cpu
-        self.query_start_loc = torch.tensor(qsl, dtype=torch.int64)
-        self.max_query_len = max((b - a for a, b in itertools.pairwise(qsl)), default=0)
+        self.query_start_loc = torch.tensor(self.query_start_loc_cpu, dtype=torch.int64)
 
     @property
     def num_seqs(self) -> int:

@@ -1,22 +1,25 @@
-// Paged attention for short queries on the CPU, straight from the block pool.
+// Paged attention on the CPU, straight from the block pool: decodes, drafts and prefill chunks alike.
 //
 // Part of the CPU kernel library that nanoserve/native.py builds at first use (see there).
 //
-// For each listed sequence, every query row (each new token times each query head) is attended in
-// one pass over the sequence's blocks: each block's keys and values are read once, for each KV
-// head serving all the query heads that share it (GQA) and all the new tokens. Query token i of a
-// sequence with q_len new tokens and seq_len tokens in all sees the keys at positions
-// <= seq_len - q_len + i (causal among the new tokens). Softmax is online (flash-decoding): per
-// block and row, the scores, one rescale of the accumulator, then the weighted sum of the block's
-// values. The running maxima start at a finite sentinel, so no infinity enters the arithmetic.
-// Sequences are shared among `num_threads` OpenMP threads; each writes only its own rows of out.
+// Query token i of a sequence with q_len new tokens and seq_len tokens in all sees the keys at
+// positions <= seq_len - q_len + i (causal among the new tokens). A sequence's new tokens are cut
+// into tiles of at most kTileTokens consecutive tokens (a decode, or a query of up to kTileTokens
+// tokens, is one tile), and the tiles of all sequences are the work items, shared among
+// `num_threads` OpenMP threads; each writes only its own rows of out. A tile's query rows (each of
+// its tokens times each query head) are attended in one pass over the blocks that its last token
+// can see: each block's keys and values are read once per tile, for each KV head serving all the
+// query heads that share it (GQA) and all the tile's tokens, while the tile's queries and
+// accumulators stay in L1/L2. Softmax is online (flash-decoding): per block and row, the scores,
+// one rescale of the accumulator, then the weighted sum of the block's values, all in fp32 (bf16 K
+// and V are widened, and only the result is rounded to bf16). A row's arithmetic does not depend
+// on how its sequence was tiled. The running maxima start at a finite sentinel, so no infinity
+// enters the arithmetic.
 //
 // Layouts: q [num_tokens, num_heads, head_dim] with its tokens q_stride elements apart (q may be
 // the q columns of a fused qkv tensor); everything else contiguous: out [num_tokens, num_heads,
 // head_dim]; the layer's cache [2, num_blocks, block_size, num_kv_heads, head_dim] (K plane, then V
-// plane); block_tables [num_seqs, table_stride]; seq_lens [num_seqs]; query_start [num_seqs + 1];
-// seq_ids lists the sequences to attend (null: the first num_listed), and other sequences' rows of
-// out are left untouched.
+// plane); block_tables [num_seqs, table_stride]; seq_lens [num_seqs]; query_start [num_seqs + 1].
 //
 // `write_kv` stores a step's new K and V (rows k_stride and v_stride elements apart) at their flat
 // slots (block * block_size + offset) before attention reads them.
@@ -104,18 +107,24 @@ inline void load_query(const uint16_t* src, float scale, vec8* dst, int nvec) {
   for (int j = 0; j < nvec; ++j) dst[j] = load8(src + j * kLanes) * scale;
 }
 
-// Attends every query row of sequence s: row r is new token r / num_heads and query head
-// r % num_heads, reading KV head (r % num_heads) / group. The blocks are walked once, each one's K
-// and V for all heads read as two contiguous runs, and the next block is prefetched meanwhile
-// (block tables scatter blocks, which hardware prefetchers cannot follow).
+// New tokens per tile (work item). 16 tokens of 4 query heads of 64 keep a tile's queries and
+// accumulators at 32 KiB; a query of at most this many tokens (a decode, a decode carrying up to 15
+// drafts, a short prefill chunk) is one tile and reads its sequence's K and V once.
+constexpr int64_t kTileTokens = 16;
+
+// Attends the query rows of new tokens [tok_begin, tok_end) of one sequence: row r is new token
+// tok_begin + r / num_heads and query head r % num_heads, reading KV head (r % num_heads) / group.
+// The blocks up to the one holding the last key that token tok_end - 1 sees are walked once, each
+// one's K and V for all heads read as two contiguous runs, and the next block is prefetched
+// meanwhile (block tables scatter blocks, which hardware prefetchers cannot follow).
 template <typename T, int NVEC>
-void attend_sequence(const T* q, int64_t q_stride, const T* cache, T* out, const int64_t* table, int64_t seq_len,
-                     int64_t q_start,
-                     int64_t q_len, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                     int64_t num_blocks, float scale) {
+void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int64_t* table, int64_t seq_len,
+                 int64_t q_start, int64_t q_len, int64_t tok_begin, int64_t tok_end, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t block_size, int64_t num_blocks, float scale) {
   constexpr int64_t head_dim = NVEC * kLanes;
   const int64_t group = num_heads / num_kv_heads;
-  const int rows = static_cast<int>(q_len * num_heads);
+  const int64_t tile_len = tok_end - tok_begin;
+  const int rows = static_cast<int>(tile_len * num_heads);
   const int64_t v_plane = num_blocks * block_size * num_kv_heads * head_dim;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_elems = block_size * token_stride;
@@ -123,12 +132,14 @@ void attend_sequence(const T* q, int64_t q_stride, const T* cache, T* out, const
   std::vector<vec8> qv(static_cast<size_t>(rows) * NVEC), acc(qv.size());
   std::vector<float> m(rows, kMasked), l(rows, 0.0f), scores((block_size + kLanes - 1) / kLanes * kLanes);
   std::vector<vec8> kbuf(std::is_same_v<T, float> ? 0 : block_size * NVEC), vbuf(kbuf.size());
+  const int64_t first_token = q_start + tok_begin;  // the tile's first row of q and of out
   for (int r = 0; r < rows; ++r)  // token-major, then head, as out is laid out
-    load_query(q + (q_start + r / num_heads) * q_stride + (r % num_heads) * head_dim, scale, qv.data() + r * NVEC,
-               NVEC);
+    load_query(q + (first_token + r / num_heads) * q_stride + (r % num_heads) * head_dim, scale,
+               qv.data() + r * NVEC, NVEC);
 
-  const int64_t nblk = (seq_len + block_size - 1) / block_size;
   const int64_t first_limit = seq_len - q_len;  // the last key that new token 0 may see
+  // Through the block of the last key the tile's last token sees; none for an empty sequence.
+  const int64_t nblk = seq_len == 0 ? 0 : (first_limit + tok_end - 1) / block_size + 1;
   for (int64_t b = 0; b < nblk; ++b) {
     if (b + 1 < nblk) {
       const char* next_k = reinterpret_cast<const char*>(cache + table[b + 1] * block_elems);
@@ -144,8 +155,9 @@ void attend_sequence(const T* q, int64_t q_stride, const T* cache, T* out, const
       const T* kb = cache + table[b] * block_elems + h * head_dim;
       const Rows<NVEC> keys = block_rows<NVEC>(kb, token_stride, n, kbuf.data());
       const Rows<NVEC> values = block_rows<NVEC>(kb + v_plane, token_stride, n, vbuf.data());
-      for (int64_t tok = 0; tok < q_len; ++tok) {
-        const int visible = static_cast<int>(std::clamp<int64_t>(first_limit + tok - first + 1, 0, n));
+      for (int64_t tok = 0; tok < tile_len; ++tok) {
+        const int visible =
+            static_cast<int>(std::clamp<int64_t>(first_limit + tok_begin + tok - first + 1, 0, n));
         if (visible == 0) continue;
         for (int64_t r = tok * num_heads + h * group; r < tok * num_heads + (h + 1) * group; ++r) {
           float* s = scores.data();
@@ -171,7 +183,7 @@ void attend_sequence(const T* q, int64_t q_stride, const T* cache, T* out, const
   }
 
   for (int r = 0; r < rows; ++r) {
-    T* dst = out + (q_start * num_heads + r) * head_dim;
+    T* dst = out + (first_token * num_heads + r) * head_dim;
     // l >= 1 for a row that sees any key; a row of an empty sequence (seq_len 0, as padding rows
     // of a fixed-size batch are) sees none and gets zeros.
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -180,33 +192,44 @@ void attend_sequence(const T* q, int64_t q_stride, const T* cache, T* out, const
   }
 }
 
+// Cuts every sequence's new tokens into tiles and attends them, the tiles shared among the threads.
 template <typename T, int NVEC>
-void attend_listed(const T* q, int64_t q_stride, const T* cache, T* out, const int64_t* block_tables,
-                   int64_t table_stride,
-                   const int64_t* seq_lens, const int64_t* query_start, const int64_t* seq_ids, int64_t num_listed,
-                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t num_blocks, float scale,
-                   int num_threads) {
+void attend_all(const T* q, int64_t q_stride, const T* cache, T* out, const int64_t* block_tables,
+                int64_t table_stride, const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs,
+                int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t num_blocks, float scale,
+                int num_threads) {
+  struct Tile {
+    int64_t seq, begin, end;  // new tokens [begin, end) of sequence seq
+  };
+  std::vector<Tile> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = query_start[s + 1] - query_start[s];
+    for (int64_t begin = 0; begin < q_len; begin += kTileTokens)
+      tiles.push_back({s, begin, std::min(q_len, begin + kTileTokens)});
+  }
+  // Handed out last first: a sequence's later tiles see more blocks, and the runner puts prefill
+  // chunks after the decodes, so the costliest items go first and the threads finish together.
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
-  for (int64_t i = 0; i < num_listed; ++i) {
-    const int64_t s = seq_ids != nullptr ? seq_ids[i] : i;
-    attend_sequence<T, NVEC>(q, q_stride, cache, out, block_tables + s * table_stride, seq_lens[s], query_start[s],
-                             query_start[s + 1] - query_start[s], num_heads, num_kv_heads, block_size, num_blocks,
-                             scale);
+  for (int64_t i = num_tiles - 1; i >= 0; --i) {
+    const Tile& t = tiles[i];
+    attend_tile<T, NVEC>(q, q_stride, cache, out, block_tables + t.seq * table_stride, seq_lens[t.seq],
+                         query_start[t.seq], query_start[t.seq + 1] - query_start[t.seq], t.begin, t.end, num_heads,
+                         num_kv_heads, block_size, num_blocks, scale);
   }
 }
 
 // Dispatches on the head size; returns false for one not compiled in.
 template <typename T>
 bool paged_attention(const T* q, int64_t q_stride, const T* cache, T* out, const int64_t* block_tables,
-                     int64_t table_stride,
-                     const int64_t* seq_lens, const int64_t* query_start, const int64_t* seq_ids,
-                     int64_t num_listed, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                     int64_t block_size, int64_t num_blocks, float scale, int num_threads) {
+                     int64_t table_stride, const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                     int64_t num_blocks, float scale, int num_threads) {
   switch (head_dim) {
-#define NANOSERVE_HEAD_DIM(D)                                                                                     \
-  case D:                                                                                                         \
-    attend_listed<T, D / kLanes>(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids,      \
-                                 num_listed, num_heads, num_kv_heads, block_size, num_blocks, scale, num_threads); \
+#define NANOSERVE_HEAD_DIM(D)                                                                                   \
+  case D:                                                                                                       \
+    attend_all<T, D / kLanes>(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, num_seqs, \
+                              num_heads, num_kv_heads, block_size, num_blocks, scale, num_threads);              \
     return true;
     NANOSERVE_HEAD_DIM(32)
     NANOSERVE_HEAD_DIM(64)
@@ -240,20 +263,20 @@ extern "C" {
 // the caller checks first).
 int nanoserve_paged_attention_f32(const float* q, int64_t q_stride, const float* cache, float* out,
                                    const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
-                                   const int64_t* query_start, const int64_t* seq_ids, int64_t num_listed,
-                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                   int64_t num_blocks, float scale, int num_threads) {
-  return paged_attention(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids,
-                         num_listed, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
+                                   const int64_t* query_start, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                                   float scale, int num_threads) {
+  return paged_attention(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, num_seqs,
+                         num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
 }
 
 int nanoserve_paged_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cache, uint16_t* out,
                                     const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
-                                    const int64_t* query_start, const int64_t* seq_ids, int64_t num_listed,
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                    int64_t num_blocks, float scale, int num_threads) {
-  return paged_attention(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, seq_ids,
-                         num_listed, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
+                                    const int64_t* query_start, int64_t num_seqs, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                                    float scale, int num_threads) {
+  return paged_attention(q, q_stride, cache, out, block_tables, table_stride, seq_lens, query_start, num_seqs,
+                         num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, num_threads);
 }
 
 // Stores K and V rows [num_tokens, token_elems] (rows k_stride / v_stride elements apart) at

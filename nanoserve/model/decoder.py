@@ -77,7 +77,9 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head. Parameters are created empty; a loader
     must fill every one (see `nanoserve.model.weights.load_weights`). `ops` carries out the
-    elementwise steps (`TorchLayerOps` unless the engine picks fused kernels for its device)."""
+    elementwise steps (`TorchLayerOps` unless the engine picks fused kernels for its device).
+    `inv_freq` is fixed at construction (no loader writes it), so the rotary tables of `rope`,
+    built from it at first use, stay valid."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -91,6 +93,26 @@ class CausalLM(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
+        # Per dtype: cos and sin [table_len, 1, head_dim] on the CPU (see `rope`).
+        self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [num_tokens, 1, head_dim] of `positions` (non-negative), bit for bit what
+        `rope_cos_sin` computes. On the CPU they are rows of a table of the positions below a power
+        of two (at least 1024) past the largest position seen so far, built for each dtype by
+        `rope_cos_sin` itself and rebuilt twice as long when a position passes it (torch gives each
+        element of cos and sin the same bits whatever the tensor's size or split among threads).
+        Other devices compute them directly: the table's size check would wait for the device, and
+        the few elementwise kernels cost little there."""
+        if positions.device.type != "cpu" or positions.numel() == 0:
+            return rope_cos_sin(positions, self.inv_freq, dtype)
+        needed = int(positions.max()) + 1
+        tables = self._rope_tables.get(dtype)
+        if tables is None or tables[0].shape[0] < needed:
+            tables = rope_cos_sin(torch.arange(max(1024, 1 << (needed - 1).bit_length())), self.inv_freq, dtype)
+            self._rope_tables[dtype] = tables
+        cos, sin = tables
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
     @torch.inference_mode()
     def forward(
@@ -103,7 +125,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden_size] (normed)."""
         residual = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, residual.dtype)
+        cos, sin = self.rope(positions, residual.dtype)
         x = torch.zeros_like(residual)  # what the first layer adds into the stream
         for i, layer in enumerate(self.layers):
             x = layer(x, residual, cos, sin, kv_caches[i], meta, backend, self.ops)
