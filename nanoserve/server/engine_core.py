@@ -264,9 +264,12 @@ def run_core(loader: Callable[[], LLMEngine], stream_interval: int, receive: Rec
 def run_core_process(args: EngineArgs, stream_interval: int, commands: Connection, outputs: Connection,
                      log_level: int) -> None:
     """The engine-core process: builds the engine from `args` and serves it over two pipes. A
-    closed command pipe (the front end is gone) stops it like a stop command; SIGINT is left to
-    the front end, which stops the core through the pipe."""
+    closed command pipe (the front end is gone) stops it like a stop command. SIGINT and SIGTERM
+    are ignored: a terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process
+    group, and the front end, which lets requests in flight finish first, stops the core through
+    the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level)
 
     def receive(block: bool) -> list[Command]:
