@@ -177,7 +177,7 @@ class EngineCore:
         return snap, waiting
 
     def abort_all(self) -> None:
-        """Aborts every request in the engine (at exit)."""
+        """Aborts every request in the engine and forgets it (at exit, and after a failed step)."""
         for rid in list(self._live):
             self.engine.abort(rid)
         self._live.clear()
