@@ -12,7 +12,10 @@ embeddings so no lm_head.weight) and train_log.json (configs, hyperparameters, p
 times, the command, and the sha256 of the tokenizer.json the weights were trained with, which
 `nanoserve.model.demo` checks); and the loss curves as a PNG (--plot).
 
-Usage: python scripts/train_demo.py [--steps N] [--draft-steps N] [--batch-size N] [--seq-len N] ...
+With --draft-only, only the draft is trained: the target is read from --out's model.safetensors and
+its entries of train_log.json are kept (the draft's command goes under "draft_command").
+
+Usage: python scripts/train_demo.py [--steps N] [--draft-steps N] [--batch-size N] [--seq-len N] [--draft-only] ...
 transformers and matplotlib are dev-time dependencies (pip install -e '.[test]' matplotlib).
 """
 
@@ -33,7 +36,7 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from nanoserve.model.demo import (
     CORPUS_PATH,
@@ -217,14 +220,26 @@ def plot_losses(log: dict[str, Any], path: Path) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600, help="target model optimizer steps")
-    parser.add_argument("--draft-steps", type=int, default=300, help="draft model optimizer steps")
+    parser.add_argument("--draft-steps", type=int, default=600, help="draft model optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=20240607)
     parser.add_argument("--out", type=Path, default=WEIGHTS_DIR, help="folder for the weights and train_log.json")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "demo_training_loss.png")
+    parser.add_argument("--draft-only", action="store_true",
+                        help="train only the draft, against the target already in --out")
     return parser.parse_args()
+
+
+def load_target(path: Path, vocab_size: int) -> transformers.Qwen3ForCausalLM:
+    """The shipped target from its bf16 safetensors (tied head), in fp32, for evaluation."""
+    model = build_model(demo_config_dict(vocab_size))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()}, strict=False)
+    if set(missing) - {"lm_head.weight"} or unexpected:
+        raise ValueError(f"{path} does not hold the demo model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.eval()
 
 
 def main() -> None:
@@ -238,8 +253,20 @@ def main() -> None:
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     print(f"corpus: {len(train_tokens)} training tokens, {held_out[:, 1:].numel()} held out", flush=True)
 
-    log: dict[str, Any] = {
-        "command": shlex.join(["python", "scripts/train_demo.py", *sys.argv[1:]]),
+    command = shlex.join(["python", "scripts/train_demo.py", *sys.argv[1:]])
+    if args.draft_only:
+        log = json.loads((args.out / TRAIN_LOG_PATH.name).read_text(encoding="utf-8"))
+        if log["tokenizer_sha256"] != tokenizer_sha256(tok) or log["corpus_sha256"] != hashlib.sha256(
+                text.encode()).hexdigest():
+            raise SystemExit("the target in --out was trained on another tokenizer or corpus; retrain both")
+        models = {"target": load_target(args.out / "model.safetensors", vocab_size)}
+        log["draft_command"] = command
+        runs = [("draft", demo_draft_config_dict, args.draft_steps)]
+    else:
+        log = {"command": command}
+        models = {}
+        runs = [("target", demo_config_dict, args.steps), ("draft", demo_draft_config_dict, args.draft_steps)]
+    log.update({
         "tokenizer_sha256": tokenizer_sha256(tok),
         "corpus_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "corpus_bytes": len(text.encode()),
@@ -248,10 +275,8 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "tokenizers": tokenizers.__version__},
         "threads": torch.get_num_threads(),
-    }
-    models = {}
-    for name, make_config, steps in (("target", demo_config_dict, args.steps),
-                                     ("draft", demo_draft_config_dict, args.draft_steps)):
+    })
+    for name, make_config, steps in runs:
         config = make_config(vocab_size)
         cfg = TrainConfig(steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                           warmup=max(1, steps // 20), seed=args.seed)
@@ -263,13 +288,17 @@ def main() -> None:
         log[name] = {"config": config, "params": sum(p.numel() for p in model.parameters()),
                      "train": dataclasses.asdict(cfg), **run}
     log["eval"] = evaluate(models["target"], models["draft"], held_out)
-    log["samples"] = chat_samples(models["target"], tok)
-    log["wall_s"] = round(time.perf_counter() - start, 1)
-    print(json.dumps({"eval": log["eval"], "samples": log["samples"], "wall_s": log["wall_s"]}, indent=2,
-                     ensure_ascii=False))
+    wall = round(time.perf_counter() - start, 1)
+    if args.draft_only:
+        log["draft_wall_s"] = wall
+    else:
+        log["samples"] = chat_samples(models["target"], tok)
+        log["wall_s"] = wall
+    print(json.dumps({"eval": log["eval"], "samples": log["samples"], "wall_s": wall}, indent=2, ensure_ascii=False))
 
     args.out.mkdir(parents=True, exist_ok=True)
-    save_weights(models["target"], args.out / "model.safetensors")
+    if not args.draft_only:
+        save_weights(models["target"], args.out / "model.safetensors")
     save_weights(models["draft"], args.out / "draft.safetensors")
     (args.out / TRAIN_LOG_PATH.name).write_text(json.dumps(log, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     args.plot.parent.mkdir(parents=True, exist_ok=True)

@@ -113,9 +113,11 @@ def demo_config_dict(vocab_size: int) -> dict[str, Any]:
 
 
 def demo_draft_config_dict(vocab_size: int) -> dict[str, Any]:
-    """The draft's `config.json`: two layers, same vocabulary and head size as the demo model."""
-    return _qwen3_config(vocab_size, hidden_size=256, intermediate_size=768, num_layers=2, num_heads=4,
-                         num_kv_heads=2)
+    """The draft's `config.json`: two layers of half the demo model's width (2 query and 1 KV head),
+    same vocabulary and head size. Its weights are a fifth of the target's, so a draft pass costs
+    little next to a target step (docs/speculative.md)."""
+    return _qwen3_config(vocab_size, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2,
+                         num_kv_heads=1)
 
 
 def _qwen3_config(vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
