@@ -1,7 +1,8 @@
 """nanoserve's CPU kernel library: the C++ in `csrc/`, compiled at first use and loaded with ctypes.
 
-The sources (`paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp` and their header `simd.h`) include no torch
-header and need no ninja: one `g++ -O3 -march=native -fopenmp` call builds them in a few seconds.
+The sources (`paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`, and `decoder.cpp`, which composes
+the other three; headers `simd.h` and `kernels.h`) include no torch header and need no ninja: one
+`g++ -O3 -march=native -fopenmp` call builds them in a few seconds.
 OpenMP resolves to the libgomp that torch has already loaded (same soname). The library goes to
 $NANOSERVE_CACHE/kernels under a name that hashes the sources, the flags, the compiler's version and
 the CPU's feature flags (it is built for the CPU it runs on); it is written under a temporary name
@@ -30,8 +31,8 @@ from nanoserve.cache import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "linear.cpp")
-HEADERS = (CSRC / "simd.h",)
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "linear.cpp", "decoder.cpp"))
+HEADERS = (CSRC / "simd.h", CSRC / "kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 # The element types the kernels are built for, and the suffix of each entry point's name.
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

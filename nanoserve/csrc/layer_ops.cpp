@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {

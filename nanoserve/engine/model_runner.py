@@ -1,7 +1,9 @@
 """Model runner: a StepPlan in, one flat batch through the model, sampled tokens out.
 
 Owns the KV cache tensor (one pool for all layers), the attention backend, the sampler and the
-per-request random generators of seeded requests.
+per-request random generators of seeded requests. A step runs through the model's Python forward,
+a captured CUDA graph (`cuda_graph`), or on the CPU the whole decoder in one native call
+(`nanoserve.model.native_decoder`), whichever applies; all give the same hidden states.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.engine.spec_decode import verify, verify_greedy
+from nanoserve.model.decoder import CausalLM
+from nanoserve.model.native_decoder import NativeDecoder
 
 
 class Model(Protocol):
@@ -73,6 +77,8 @@ class ModelRunner:
                                     kv_shape.head_dim, dtype=model.dtype, device=device)
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None  # set by `use_decode_graphs`
+        # Steps whose products all run in C++ anyway go through the decoder in one native call.
+        self.native = NativeDecoder.build(model, self.backend) if isinstance(model, CausalLM) else None
 
     def use_decode_graphs(self, num_kv_heads: int, max_batch_size: int, max_model_len: int) -> None:
         """Runs decode steps of up to `max_batch_size` sequences through CUDA graphs (see
@@ -86,7 +92,10 @@ class ModelRunner:
         meta, input_ids, positions, sample_rows, sample_reqs, spec_reqs = self._prepare(plan)
         if self.decode_graphs is not None and self.decode_graphs.fits(meta, len(sample_reqs)):
             return self.decode_graphs.run(input_ids, positions, meta), sample_reqs, spec_reqs
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        if self.native is not None and self.native.fits(input_ids.shape[0]):
+            hidden = self.native(input_ids, positions, self.kv_cache, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         return self.model.compute_logits(hidden[sample_rows]), sample_reqs, spec_reqs
 
     def execute(self, plan: StepPlan) -> StepResult:

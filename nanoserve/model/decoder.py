@@ -106,13 +106,18 @@ class CausalLM(nn.Module):
         the few elementwise kernels cost little there."""
         if positions.device.type != "cpu" or positions.numel() == 0:
             return rope_cos_sin(positions, self.inv_freq, dtype)
-        needed = int(positions.max()) + 1
-        tables = self._rope_tables.get(dtype)
-        if tables is None or tables[0].shape[0] < needed:
-            tables = rope_cos_sin(torch.arange(max(1024, 1 << (needed - 1).bit_length())), self.inv_freq, dtype)
-            self._rope_tables[dtype] = tables
-        cos, sin = tables
+        cos, sin = self.rope_tables(int(positions.max()) + 1, dtype)
         return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def rope_tables(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU tables cos and sin [table_len, 1, head_dim] (contiguous; row p for position p) of
+        `rope`, with table_len >= num_positions."""
+        tables = self._rope_tables.get(dtype)
+        if tables is None or tables[0].shape[0] < num_positions:
+            size = max(1024, 1 << (num_positions - 1).bit_length())
+            tables = rope_cos_sin(torch.arange(size), self.inv_freq, dtype)
+            self._rope_tables[dtype] = tables
+        return tables
 
     @torch.inference_mode()
     def forward(

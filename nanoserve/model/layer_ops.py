@@ -83,6 +83,7 @@ class CpuLayerOps:
     DTYPES = frozenset(DTYPE_SUFFIX)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._linear, self._norm, self._rope, self._silu = {}, {}, {}, {}
         for dtype, suffix in DTYPE_SUFFIX.items():

@@ -1,0 +1,180 @@
+// A whole decoder forward on the CPU in one call: embedding, every layer, final norm.
+//
+// Part of the CPU kernel library that nanoserve/native.py builds at first use (see there). It makes
+// the library calls that nanoserve.model.decoder.CausalLM.forward makes through CpuLayerOps and
+// CpuPagedAttention, in the same order, with the same arguments and thread count, so its output is
+// bit for bit theirs; what it saves is the Python between them: ~13 calls per layer, each a few
+// microseconds of interpreter, argument conversion and tensor allocation, which for a small model
+// or a single sequence cost as much as the arithmetic (a 2-layer draft's pass: ~0.55 ms of which
+// the products are ~0.1 ms). Only steps whose every product goes to linear.cpp come here (see
+// nanoserve/model/native_decoder.py); the rest stay on the Python path.
+//
+// Per layer, on the flat batch of n new tokens (hidden rows of the residual stream):
+//   normed = RMSNorm(residual += x)          x: the previous layer's MLP output (zeros at layer 0)
+//   qkv = normed Wqkv^T (+ b); q, k normed per head (Qwen3) and rotated in place
+//   K, V -> the layer's cache at the tokens' slots; attn = paged attention of q
+//   normed = RMSNorm(residual += attn Wo^T)
+//   x = (silu(gate) * up)(normed Wgu^T) Wdown^T
+// and at the end out = RMSNorm(residual += x).
+//
+// Layouts: as CausalLM holds them (weights [out, in] row-major); the cache [num_layers, 2,
+// num_blocks, block_size, num_kv_heads, head_dim]; cos and sin tables [table_len, head_dim] (row p:
+// position p); block_tables [num_seqs, table_stride]; out [n, hidden].
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "kernels.h"
+
+// One decoder layer's parameters (null: absent from this family), as native_decoder.py lays them out.
+struct LayerWeights {
+  const void* input_norm;  // [hidden]
+  const void* qkv;         // [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+  const void* qkv_bias;    // [(num_heads + 2 * num_kv_heads) * head_dim] (Qwen2) or null
+  const void* q_norm;      // [head_dim] (Qwen3) or null; null exactly when k_norm is
+  const void* k_norm;      // [head_dim] or null
+  const void* o_proj;      // [hidden, num_heads * head_dim]
+  const void* post_norm;   // [hidden]
+  const void* gate_up;     // [2 * intermediate, hidden]: gate rows, then up rows
+  const void* down;        // [hidden, intermediate]
+};
+
+namespace {
+
+// The entry points by element type.
+inline void rms_norm(const float* x, float* r, const float* w, float* o, int64_t rows, int64_t dim, float eps, int t) {
+  nanoserve_rms_norm_f32(x, r, w, o, rows, dim, eps, t);
+}
+inline void rms_norm(const uint16_t* x, uint16_t* r, const uint16_t* w, uint16_t* o, int64_t rows, int64_t dim,
+                     float eps, int t) {
+  nanoserve_rms_norm_bf16(x, r, w, o, rows, dim, eps, t);
+}
+inline void qk_norm_rope(float* qkv, int64_t rows, int64_t stride, int64_t h, int64_t kvh, int64_t d, const float* cos,
+                         const float* sin, const float* qw, const float* kw, float eps, int t) {
+  nanoserve_qk_norm_rope_f32(qkv, rows, stride, h, kvh, d, cos, sin, qw, kw, eps, t);
+}
+inline void qk_norm_rope(uint16_t* qkv, int64_t rows, int64_t stride, int64_t h, int64_t kvh, int64_t d,
+                         const uint16_t* cos, const uint16_t* sin, const uint16_t* qw, const uint16_t* kw, float eps,
+                         int t) {
+  nanoserve_qk_norm_rope_bf16(qkv, rows, stride, h, kvh, d, cos, sin, qw, kw, eps, t);
+}
+inline void silu_mul(const float* gu, float* o, int64_t rows, int64_t inter, int t) {
+  nanoserve_silu_mul_f32(gu, o, rows, inter, t);
+}
+inline void silu_mul(const uint16_t* gu, uint16_t* o, int64_t rows, int64_t inter, int t) {
+  nanoserve_silu_mul_bf16(gu, o, rows, inter, t);
+}
+inline void linear(const float* x, const float* w, const float* b, float* o, int64_t M, int64_t N, int64_t K, int t) {
+  nanoserve_linear_f32(x, w, b, o, M, N, K, t);
+}
+inline void linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* o, int64_t M, int64_t N,
+                   int64_t K, int t) {
+  nanoserve_linear_bf16(x, w, b, o, M, N, K, t);
+}
+inline int write_kv(const float* k, int64_t ks, const float* v, int64_t vs, float* cache, const int64_t* slots,
+                    int64_t n, int64_t elems, int64_t num_slots) {
+  return nanoserve_write_kv_f32(k, ks, v, vs, cache, slots, n, elems, num_slots);
+}
+inline int write_kv(const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, uint16_t* cache,
+                    const int64_t* slots, int64_t n, int64_t elems, int64_t num_slots) {
+  return nanoserve_write_kv_bf16(k, ks, v, vs, cache, slots, n, elems, num_slots);
+}
+inline int paged_attention(const float* q, int64_t qs, const float* cache, float* o, const int64_t* tables,
+                           int64_t table_stride, const int64_t* seq_lens, const int64_t* qsl, int64_t num_seqs,
+                           int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t nb, float scale, int t) {
+  return nanoserve_paged_attention_f32(q, qs, cache, o, tables, table_stride, seq_lens, qsl, num_seqs, h, kvh, d, bs,
+                                       nb, scale, t);
+}
+inline int paged_attention(const uint16_t* q, int64_t qs, const uint16_t* cache, uint16_t* o, const int64_t* tables,
+                           int64_t table_stride, const int64_t* seq_lens, const int64_t* qsl, int64_t num_seqs,
+                           int64_t h, int64_t kvh, int64_t d, int64_t bs, int64_t nb, float scale, int t) {
+  return nanoserve_paged_attention_bf16(q, qs, cache, o, tables, table_stride, seq_lens, qsl, num_seqs, h, kvh, d,
+                                        bs, nb, scale, t);
+}
+
+template <typename T>
+int decoder_forward(const int64_t* dims, float eps, float scale, const LayerWeights* layers, const T* embed,
+                    const T* final_norm, const T* cos_table, const T* sin_table, int64_t table_len, T* kv_cache,
+                    int64_t num_blocks, int64_t block_size, const int64_t* ids, const int64_t* positions, int64_t n,
+                    const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
+                    const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs, T* out,
+                    int num_threads) {
+  const int64_t vocab = dims[0], hidden = dims[1], heads = dims[2], kv_heads = dims[3], d = dims[4],
+                inter = dims[5], num_layers = dims[6];
+  const int64_t q_size = heads * d, kv_size = kv_heads * d, qkv_size = q_size + 2 * kv_size;
+  const int64_t num_slots = num_blocks * block_size, layer_elems = 2 * num_slots * kv_size;
+  for (int64_t t = 0; t < n; ++t) {  // everything that indexes memory, checked before anything is written
+    if (ids[t] < 0 || ids[t] >= vocab) return -1;
+    if (positions[t] < 0 || positions[t] >= table_len) return -2;
+    if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return 0;
+  }
+  const int64_t sizes[] = {n * hidden, n * hidden, n * hidden, n * qkv_size, n * q_size, n * 2 * inter, n * inter,
+                           n * d, n * d};
+  int64_t total = 0;
+  for (int64_t s : sizes) total += s;
+  std::unique_ptr<T[]> work(new T[total]);
+  T* buf[9];
+  for (int i = 0, off = 0; i < 9; off += sizes[i++]) buf[i] = work.get() + off;
+  T *residual = buf[0], *x = buf[1], *normed = buf[2], *qkv = buf[3], *attn = buf[4], *gate_up = buf[5],
+    *act = buf[6], *cos = buf[7], *sin = buf[8];
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(residual + t * hidden, embed + ids[t] * hidden, hidden * sizeof(T));
+    std::memcpy(cos + t * d, cos_table + positions[t] * d, d * sizeof(T));
+    std::memcpy(sin + t * d, sin_table + positions[t] * d, d * sizeof(T));
+  }
+  std::memset(x, 0, n * hidden * sizeof(T));  // what layer 0 adds into the stream, as CausalLM.forward does
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const LayerWeights& w = layers[i];
+    T* cache = kv_cache + i * layer_elems;
+    rms_norm(x, residual, static_cast<const T*>(w.input_norm), normed, n, hidden, eps, num_threads);
+    linear(normed, static_cast<const T*>(w.qkv), static_cast<const T*>(w.qkv_bias), qkv, n, qkv_size, hidden,
+           num_threads);
+    qk_norm_rope(qkv, n, qkv_size, heads, kv_heads, d, cos, sin, static_cast<const T*>(w.q_norm),
+                 static_cast<const T*>(w.k_norm), eps, num_threads);
+    write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, cache, slot_mapping, n, kv_size, num_slots);
+    paged_attention(qkv, qkv_size, cache, attn, block_tables, table_stride, seq_lens, query_start, num_seqs, heads,
+                    kv_heads, d, block_size, num_blocks, scale, num_threads);
+    linear(attn, static_cast<const T*>(w.o_proj), static_cast<const T*>(nullptr), x, n, hidden, q_size, num_threads);
+    rms_norm(x, residual, static_cast<const T*>(w.post_norm), normed, n, hidden, eps, num_threads);
+    linear(normed, static_cast<const T*>(w.gate_up), static_cast<const T*>(nullptr), gate_up, n, 2 * inter, hidden,
+           num_threads);
+    silu_mul(gate_up, act, n, inter, num_threads);
+    linear(act, static_cast<const T*>(w.down), static_cast<const T*>(nullptr), x, n, hidden, inter, num_threads);
+  }
+  rms_norm(x, residual, final_norm, out, n, hidden, eps, num_threads);
+  return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Writes the final hidden states [n, hidden] of the n new tokens into out. dims: vocab, hidden,
+// num_heads, num_kv_heads, head_dim (one paged_attention.cpp is built for), intermediate,
+// num_layers. Returns 1; or, having written nothing, -1 for a token id outside the vocabulary, -2
+// for a position outside the rotary tables, 0 for a slot outside the cache.
+int nanoserve_decoder_forward_f32(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
+                                  const float* embed, const float* final_norm, const float* cos_table,
+                                  const float* sin_table, int64_t table_len, float* kv_cache, int64_t num_blocks,
+                                  int64_t block_size, const int64_t* ids, const int64_t* positions, int64_t n,
+                                  const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
+                                  const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs, float* out,
+                                  int num_threads) {
+  return decoder_forward(dims, eps, scale, layers, embed, final_norm, cos_table, sin_table, table_len, kv_cache,
+                         num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride, seq_lens,
+                         query_start, num_seqs, out, num_threads);
+}
+int nanoserve_decoder_forward_bf16(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
+                                   const uint16_t* embed, const uint16_t* final_norm, const uint16_t* cos_table,
+                                   const uint16_t* sin_table, int64_t table_len, uint16_t* kv_cache,
+                                   int64_t num_blocks, int64_t block_size, const int64_t* ids,
+                                   const int64_t* positions, int64_t n, const int64_t* slot_mapping,
+                                   const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
+                                   const int64_t* query_start, int64_t num_seqs, uint16_t* out, int num_threads) {
+  return decoder_forward(dims, eps, scale, layers, embed, final_norm, cos_table, sin_table, table_len, kv_cache,
+                         num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride, seq_lens,
+                         query_start, num_seqs, out, num_threads);
+}
+
+}  // extern "C"

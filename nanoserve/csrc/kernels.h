@@ -1,0 +1,48 @@
+// The library's entry points, as nanoserve/native.py loads them with ctypes. Each source that
+// defines some includes this header, so a definition that drifts from its declaration fails to
+// compile; decoder.cpp composes them. bfloat16 travels as its raw 16 bits (uint16_t).
+
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+// layer_ops.cpp
+void nanoserve_rms_norm_f32(const float* x, float* residual, const float* w, float* out, int64_t rows, int64_t dim,
+                            float eps, int num_threads);
+void nanoserve_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out, int64_t rows,
+                             int64_t dim, float eps, int num_threads);
+void nanoserve_qk_norm_rope_f32(float* qkv, int64_t rows, int64_t row_stride, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, const float* cos, const float* sin,
+                                const float* q_weight, const float* k_weight, float eps, int num_threads);
+void nanoserve_qk_norm_rope_bf16(uint16_t* qkv, int64_t rows, int64_t row_stride, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, const uint16_t* cos, const uint16_t* sin,
+                                 const uint16_t* q_weight, const uint16_t* k_weight, float eps, int num_threads);
+void nanoserve_silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t inter, int num_threads);
+void nanoserve_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter, int num_threads);
+
+// linear.cpp
+void nanoserve_linear_f32(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
+                          int64_t K, int num_threads);
+void nanoserve_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M,
+                           int64_t N, int64_t K, int num_threads);
+
+// paged_attention.cpp
+int nanoserve_paged_attention_f32(const float* q, int64_t q_stride, const float* cache, float* out,
+                                  const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
+                                  const int64_t* query_start, int64_t num_seqs, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                                  float scale, int num_threads);
+int nanoserve_paged_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* cache, uint16_t* out,
+                                   const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
+                                   const int64_t* query_start, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                                   float scale, int num_threads);
+int nanoserve_write_kv_f32(const float* k, int64_t k_stride, const float* v, int64_t v_stride, float* cache,
+                           const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems, int64_t num_slots);
+int nanoserve_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride,
+                            uint16_t* cache, const int64_t* slot_mapping, int64_t num_tokens, int64_t token_elems,
+                            int64_t num_slots);
+
+}  // extern "C"

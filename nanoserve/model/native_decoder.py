@@ -1,0 +1,106 @@
+"""`CausalLM.forward` in one call of nanoserve's CPU kernel library (`nanoserve/csrc/decoder.cpp`).
+
+On the CPU path every step of a layer is already a C++ call (`CpuLayerOps`, `CpuPagedAttention`),
+but the Python around them (~13 calls a layer, each with its argument checks, conversions and
+output tensor) costs microseconds apiece: for a single sequence, or a small draft model, as much as
+the arithmetic itself. `NativeDecoder` makes the same calls, in the same order and with the same
+arguments and thread count, from C++: its hidden states are bit for bit those of `CausalLM.forward`
+with those backends.
+
+It takes a step when all of that step's products would go to `linear.cpp` anyway: bf16 models at any
+size, fp32 models for steps of at most `SMALL_M` tokens (beyond, `CpuLayerOps.linear` hands fp32 to
+MKL's GEMM, which the C++ path does not reproduce). The model runner asks `fits` before each step.
+
+Invariant: the model's parameters stay where they were when the decoder was built (loaders fill
+them in place before the engine is built; nothing replaces them afterwards), since it holds their
+addresses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from nanoserve.attention.cpu_paged import CpuPagedAttention
+from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
+from nanoserve.model.decoder import CausalLM
+from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps
+from nanoserve.native import DTYPE_SUFFIX
+
+
+class LayerWeights(ctypes.Structure):
+    """decoder.cpp's LayerWeights: one layer's parameter addresses (None for a parameter the family lacks)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down")]
+
+
+class NativeDecoder:
+    def __init__(self, model: CausalLM, ops: CpuLayerOps) -> None:
+        """Use `build`, which checks that the model and backends are the ones this replaces."""
+        cfg = model.cfg
+        self.model = model
+        self.dtype = model.dtype
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        self.dims = torch.tensor([cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                  cfg.head_dim, cfg.intermediate_size, cfg.num_hidden_layers], dtype=torch.int64)
+        self.layers = (LayerWeights * len(model.layers))()
+        for slot, layer in zip(self.layers, model.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            params = {"input_norm": layer.input_layernorm.weight, "qkv": attn.qkv_proj, "qkv_bias": attn.qkv_bias,
+                      "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
+                      "k_norm": None if attn.k_norm is None else attn.k_norm.weight, "o_proj": attn.o_proj,
+                      "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj,
+                      "down": mlp.down_proj}
+            for name, param in params.items():
+                setattr(slot, name, None if param is None else param.data_ptr())
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        fn = getattr(ops.lib, f"nanoserve_decoder_forward_{DTYPE_SUFFIX[self.dtype]}")
+        fn.argtypes = [ptr, f32, f32, ctypes.POINTER(LayerWeights), ptr, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, ptr,
+                       i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._forward = fn
+
+    @classmethod
+    def build(cls, model: CausalLM, backend: AttentionBackend) -> NativeDecoder | None:
+        """A decoder for `model` when its steps run on the C++ path (CpuLayerOps and the C++ attention
+        kernel for its dtype and head size, all of its parameters contiguous); None otherwise."""
+        ops = model.ops
+        if not (isinstance(ops, CpuLayerOps) and isinstance(backend, CpuPagedAttention)
+                and backend.kernel.supports(model.dtype, model.cfg.head_dim)
+                and all(p.is_contiguous() and p.device.type == "cpu" and p.dtype == model.dtype
+                        for p in model.parameters())):
+            return None
+        return cls(model, ops)
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens runs here (see the module docstring)."""
+        return self.dtype == torch.bfloat16 or num_tokens <= SMALL_M
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states [num_tokens, hidden_size], as `CausalLM.forward` returns them.
+        Raises IndexError, having written nothing, for a token id, position or slot out of range."""
+        n = input_ids.shape[0]
+        indices = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if not all(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu" for t in indices):
+            raise ValueError("the native decoder takes contiguous int64 CPU ids, positions and metadata")
+        if kv_cache.dtype != self.dtype or not kv_cache.is_contiguous():
+            raise ValueError("the native decoder takes a contiguous KV cache of the model's dtype")
+        _, _, num_blocks, block_size, _, _ = kv_cache.shape
+        cos, sin = self.model.rope_tables(max(meta.seq_lens_cpu, default=0), self.dtype)
+        out = torch.empty(n, self.model.cfg.hidden_size, dtype=self.dtype)
+        ran = self._forward(
+            self.dims.data_ptr(), self.eps, self.scale, self.layers, self.model.embed_tokens.data_ptr(),
+            self.model.norm.weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], kv_cache.data_ptr(),
+            num_blocks, block_size, input_ids.data_ptr(), positions.data_ptr(), n, meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.seq_lens.data_ptr(),
+            meta.query_start_loc.data_ptr(), meta.num_seqs, out.data_ptr(), torch.get_num_threads(),
+        )
+        if ran != 1:
+            what = {-1: "a token id outside the vocabulary", -2: "a position outside the rotary tables"}
+            raise IndexError(f"native decoder: {what.get(ran, 'a slot outside the KV pool')}")
+        return out
