@@ -12,10 +12,16 @@ embeddings so no lm_head.weight) and train_log.json (configs, hyperparameters, p
 times, the command, and the sha256 of the tokenizer.json the weights were trained with, which
 `nanoserve.model.demo` checks); and the loss curves as a PNG (--plot).
 
+With --distill W (0 < W <= 1) the draft learns from the target as well as from the corpus
+(knowledge distillation, Hinton et al. 2015; for drafts, DistillSpec, Zhou et al. 2024): its loss is
+(1 - W) * cross-entropy + W * KL(target || draft), both over every position of the same windows, the
+target (bf16 weights in fp32) run without gradients. W = 0 is plain next-token training; W = 1 (the
+KL term alone), the default, gave the highest agreement with the target (docs/speculative.md).
+
 With --draft-only, only the draft is trained: the target is read from --out's model.safetensors and
 its entries of train_log.json are kept (the draft's command goes under "draft_command").
 
-Usage: python scripts/train_demo.py [--steps N] [--draft-steps N] [--batch-size N] [--seq-len N] [--draft-only] ...
+Usage: python scripts/train_demo.py [--steps N] [--draft-steps N] [--distill W] [--draft-only] ...
 transformers and matplotlib are dev-time dependencies (pip install -e '.[test]' matplotlib).
 """
 
@@ -70,6 +76,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 20240607
+    distill: float = 0.0  # weight of KL(teacher || model) against the cross-entropy (draft only)
 
 
 def split_corpus(text: str) -> int:
@@ -99,8 +106,27 @@ def next_token_loss(model: transformers.Qwen3ForCausalLM, windows: torch.Tensor)
     return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
 
 
-def train(model: transformers.Qwen3ForCausalLM, tokens: torch.Tensor, cfg: TrainConfig, name: str) -> dict[str, Any]:
-    """Trains `model` in place on random windows of `tokens`; returns per-step losses and timings."""
+def distill_loss(model: transformers.Qwen3ForCausalLM, teacher: transformers.Qwen3ForCausalLM,
+                 windows: torch.Tensor, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(1 - cfg.distill) * cross-entropy + cfg.distill * KL(teacher || model), each a mean over the
+    positions of windows[:, :-1]; returns that loss and its cross-entropy and KL parts (detached)."""
+    inputs = windows[:, :-1]
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=inputs).logits.flatten(0, 1)
+    logits = model(input_ids=inputs).logits.flatten(0, 1)
+    ce = F.cross_entropy(logits, windows[:, 1:].flatten())
+    kl = F.kl_div(F.log_softmax(logits, dim=-1), F.log_softmax(teacher_logits, dim=-1), reduction="batchmean",
+                  log_target=True)
+    return (1 - cfg.distill) * ce + cfg.distill * kl, ce.detach(), kl.detach()
+
+
+def train(model: transformers.Qwen3ForCausalLM, tokens: torch.Tensor, cfg: TrainConfig, name: str,
+          teacher: transformers.Qwen3ForCausalLM | None = None) -> dict[str, Any]:
+    """Trains `model` in place on random windows of `tokens` (distilling from `teacher` when
+    cfg.distill > 0); returns per-step losses (of the objective, plus its cross-entropy and KL parts
+    when distilling) and timings."""
+    if cfg.distill > 0 and teacher is None:
+        raise ValueError("distillation needs a teacher model")
     gen = torch.Generator().manual_seed(cfg.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -110,11 +136,18 @@ def train(model: transformers.Qwen3ForCausalLM, tokens: torch.Tensor, cfg: Train
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
     offsets = torch.arange(cfg.seq_len + 1)
     losses: list[float] = []
+    ce_losses: list[float] = []
+    kl_losses: list[float] = []
     model.train()
     start = time.perf_counter()
     for step in range(cfg.steps):
         starts = torch.randint(0, len(tokens) - cfg.seq_len - 1, (cfg.batch_size, 1), generator=gen)
-        loss = next_token_loss(model, tokens[starts + offsets])
+        if cfg.distill > 0:
+            loss, ce, kl = distill_loss(model, teacher, tokens[starts + offsets], cfg)
+            ce_losses.append(round(ce.item(), 4))
+            kl_losses.append(round(kl.item(), 4))
+        else:
+            loss = next_token_loss(model, tokens[starts + offsets])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -124,11 +157,13 @@ def train(model: transformers.Qwen3ForCausalLM, tokens: torch.Tensor, cfg: Train
         if step % 25 == 0 or step == cfg.steps - 1:
             elapsed = time.perf_counter() - start
             rate = (step + 1) * cfg.batch_size * cfg.seq_len / elapsed
-            print(f"{name} step {step:4d}/{cfg.steps} loss {losses[-1]:.3f} lr {sched.get_last_lr()[0]:.2e} "
+            parts = f" (ce {ce_losses[-1]:.3f} kl {kl_losses[-1]:.3f})" if cfg.distill > 0 else ""
+            print(f"{name} step {step:4d}/{cfg.steps} loss {losses[-1]:.3f}{parts} lr {sched.get_last_lr()[0]:.2e} "
                   f"{rate:.0f} tok/s {elapsed:.0f}s", flush=True)
     wall = time.perf_counter() - start
     model.eval()
-    return {"losses": losses, "wall_s": round(wall, 1),
+    parts = {"ce_losses": ce_losses, "kl_losses": kl_losses} if cfg.distill > 0 else {}
+    return {"losses": losses, **parts, "wall_s": round(wall, 1),
             "tokens_per_s": round(cfg.steps * cfg.batch_size * cfg.seq_len / wall)}
 
 
@@ -182,7 +217,7 @@ def save_weights(model: transformers.Qwen3ForCausalLM, path: Path) -> None:
 
 
 def plot_losses(log: dict[str, Any], path: Path) -> None:
-    """Both models' training loss (per step, and a moving average) against tokens seen."""
+    """Both models' training cross-entropy (per step, and a moving average) against tokens seen."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,7 +227,7 @@ def plot_losses(log: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for name, colour in (("target", "tab:blue"), ("draft", "tab:orange")):
         run = log[name]
-        losses = torch.tensor(run["losses"])
+        losses = torch.tensor(run.get("ce_losses") or run["losses"])  # a distilled draft's CE part
         tokens = torch.arange(1, len(losses) + 1) * run["train"]["batch_size"] * run["train"]["seq_len"] / 1e6
         window = min(10, len(losses))
         smooth = torch.nn.functional.avg_pool1d(losses[None, None], window, stride=1).flatten()
@@ -220,7 +255,7 @@ def plot_losses(log: dict[str, Any], path: Path) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600, help="target model optimizer steps")
-    parser.add_argument("--draft-steps", type=int, default=600, help="draft model optimizer steps")
+    parser.add_argument("--draft-steps", type=int, default=1000, help="draft model optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -229,7 +264,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "demo_training_loss.png")
     parser.add_argument("--draft-only", action="store_true",
                         help="train only the draft, against the target already in --out")
-    return parser.parse_args()
+    parser.add_argument("--distill", type=float, default=1.0, metavar="WEIGHT",
+                        help="weight in [0, 1] of KL(target || draft) in the draft's loss (0: cross-entropy only)")
+    args = parser.parse_args()
+    if not 0 <= args.distill <= 1:
+        parser.error("--distill must be in [0, 1]")
+    return args
 
 
 def load_target(path: Path, vocab_size: int) -> transformers.Qwen3ForCausalLM:
@@ -279,10 +319,10 @@ def main() -> None:
     for name, make_config, steps in runs:
         config = make_config(vocab_size)
         cfg = TrainConfig(steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                          warmup=max(1, steps // 20), seed=args.seed)
+                          warmup=max(1, steps // 20), seed=args.seed, distill=args.distill if name == "draft" else 0.0)
         torch.manual_seed(cfg.seed)
         model = build_model(config)
-        run = train(model, train_tokens, cfg, name)
+        run = train(model, train_tokens, cfg, name, teacher=models.get("target"))
         round_to_bf16(model)
         models[name] = model
         log[name] = {"config": config, "params": sum(p.numel() for p in model.parameters()),
