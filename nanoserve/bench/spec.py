@@ -6,8 +6,14 @@ Workloads:
 - `repeat`: prompts that quote a passage and ask for it again, so the answer copies the prompt
   (the case prompt lookup is made for).
 
-Reported per batch size: output tok/s without and with speculation (medians of alternating runs),
-the speed-up, the draft acceptance rate and the mean tokens per verification (accepted drafts + 1).
+The plain and the speculative engine run the same requests interleaved, a step of one then a step
+of the other, each step timed: on a shared machine the speed of one core moves by tens of percent
+from one second to the next (measured here: 340-620 tok/s over 20 runs of the same 128-token
+decode), and run one after the other, the two engines would meet different moments of it.
+
+Reported per batch size: output tok/s without and with speculation (medians over rounds), the
+speed-up (the median, and the range, of each round's ratio), the draft acceptance rate and the
+mean tokens per verification (accepted drafts + 1).
 """
 
 from __future__ import annotations
@@ -49,25 +55,35 @@ class SpecBenchConfig:
     workload: str = "chat"
     batch_sizes: tuple[int, ...] = (1, 8)
     max_tokens: int = 128
-    repeats: int = 3  # alternating plain and speculative runs; each rate is the median of its runs
+    repeats: int = 3  # rounds of interleaved plain and speculative runs; medians are reported
 
 
-def _timed(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+def _interleaved(engines: list[LLMEngine], prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+    """The same greedy requests on every engine, stepped in turn: each time, the engine that has
+    produced the smallest share of its tokens takes one step, so all of them progress together and
+    meet the same moments of a shared machine. Returns per engine the seconds spent in its own steps
+    and the tokens they produced."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
-    start, tokens = time.perf_counter(), 0
-    while engine.has_unfinished():
-        tokens += sum(len(d.token_ids) for d in engine.step())
-    return time.perf_counter() - start, tokens
+    for engine in engines:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
+    total = max_tokens * len(prompts)
+    spent, tokens = [0.0] * len(engines), [0] * len(engines)
+    while live := [i for i, e in enumerate(engines) if e.has_unfinished()]:
+        i = min(live, key=lambda j: tokens[j])
+        start = time.perf_counter()
+        tokens[i] += sum(len(d.token_ids) for d in engines[i].step())
+        spent[i] += time.perf_counter() - start
+    assert all(t == total for t in tokens), "every request runs to max_tokens (ignore_eos)"
+    return list(zip(spent, tokens, strict=True))
 
 
 def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> list[dict[str, Any]]:
-    """One row per batch size; the engines share the loaded target model. Plain and speculative
-    runs alternate `repeats` times (a fresh engine each, so neither inherits the other's cache
-    state), and each rate is the median of its runs: a run of a second or less on a shared machine
-    moves by tens of percent. Greedy decoding makes every speculative run accept the same drafts;
-    acceptance is that of the last one."""
+    """One row per batch size; the engines share the loaded target model. Each of `repeats` rounds
+    builds a fresh plain and a fresh speculative engine (neither inherits cache state) and runs the
+    requests on both, interleaved step by step (`_interleaved`); each rate is the median of its
+    rounds and the speed-up the median of the rounds' ratios. Greedy decoding makes every
+    speculative run accept the same drafts; acceptance is that of the last one."""
     if cfg.args.spec_method is None:
         raise ValueError("give --speculative-model or --speculative-method ngram")
     if cfg.repeats < 1:
@@ -81,23 +97,24 @@ def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> l
         rates: dict[bool, list[float]] = {False: [], True: []}
         stats = SpecStats()
         for _ in range(cfg.repeats):
-            for speculating, args in ((False, base), (True, spec)):
-                engine = build_engine(dataclasses.replace(args, max_num_seqs=max(bs, 1)), loaded)
-                _timed(engine, prompts[:1], 4)  # warm-up
+            engines = [build_engine(dataclasses.replace(a, max_num_seqs=max(bs, 1)), loaded) for a in (base, spec)]
+            for engine in engines:
+                _interleaved([engine], prompts[:1], 4)  # warm-up
                 engine.spec_stats = SpecStats()
-                elapsed, tokens = _timed(engine, prompts, cfg.max_tokens)
+            for speculating, (elapsed, tokens) in zip((False, True), _interleaved(engines, prompts, cfg.max_tokens),
+                                                      strict=True):
                 rates[speculating].append(tokens / elapsed)
-                if speculating:
-                    stats = engine.spec_stats
-        plain, fast = statistics.median(rates[False]), statistics.median(rates[True])
-        rows.append({"batch": bs, "plain_tok_s": plain, "spec_tok_s": fast, "speedup": fast / plain,
-                     "plain_runs": rates[False], "spec_runs": rates[True], "acceptance_rate": stats.acceptance_rate,
-                     "mean_accepted_length": stats.mean_accepted_length})
+            stats = engines[1].spec_stats
+        ratios = sorted(f / p for p, f in zip(rates[False], rates[True], strict=True))
+        rows.append({"batch": bs, "plain_tok_s": statistics.median(rates[False]),
+                     "spec_tok_s": statistics.median(rates[True]), "speedup": statistics.median(ratios),
+                     "speedup_range": (ratios[0], ratios[-1]), "plain_runs": rates[False], "spec_runs": rates[True],
+                     "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length})
     return rows
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    headers = ["batch", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "tokens/verify"]
+    headers = ["batch", "plain tok/s", "spec tok/s", "speed-up", "(pairs: min-max)", "acceptance", "tokens/verify"]
     return format_table(headers, [[str(r["batch"]), f"{r['plain_tok_s']:.1f}", f"{r['spec_tok_s']:.1f}",
-                                   f"{r['speedup']:.2f}x", f"{r['acceptance_rate']:.1%}",
-                                   f"{r['mean_accepted_length']:.2f}"] for r in rows])
+                                   f"{r['speedup']:.2f}x", "{:.2f}-{:.2f}".format(*r["speedup_range"]),
+                                   f"{r['acceptance_rate']:.1%}", f"{r['mean_accepted_length']:.2f}"] for r in rows])

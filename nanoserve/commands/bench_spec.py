@@ -22,7 +22,7 @@ def register_spec(kinds: argparse._SubParsersAction) -> None:
     s.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=3,
-                   help="alternating plain and speculative runs per batch size; the medians are reported")
+                   help="rounds of interleaved plain and speculative runs per batch size; the medians are reported")
     s.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     s.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     add_engine_args(s)
