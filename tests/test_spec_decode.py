@@ -11,6 +11,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.engine.spec_decode import NgramProposer, verify, verify_greedy
 from nanoserve.engine.stand_in import stand_in_engine, stand_in_generate
 from nanoserve.model import load_model
+from nanoserve.model.layer_ops import CpuLayerOps
 
 # Upper 0.1% points of the chi-square distribution, by degrees of freedom.
 CHI2_999 = {5: 20.52, 8: 26.12}
@@ -158,7 +159,8 @@ def test_greedy_speculation_equals_plain_greedy(target_and_draft, method, min_co
     prompts.append([7, 8, 9, 10] * 6)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = LLM(loaded=target, max_model_len=128).generate(prompts, params)
-    spec_args = {"ngram": {"speculative_method": "ngram"}, "self-draft": {"speculative_model": str(target.path)},
+    spec_args = {"ngram": {"speculative_method": "ngram"},
+                 "self-draft": {"speculative_model": str(target.path), "speculative_dtype": "float32"},
                  "other-draft": {"speculative_model": str(draft_path)}}[method]
     llm = LLM(loaded=target, max_model_len=128, block_size=4, num_speculative_tokens=3, **spec_args)
     if min_confidence is not None:
@@ -180,6 +182,25 @@ def test_greedy_speculation_equals_plain_greedy(target_and_draft, method, min_co
     if method != "ngram":
         draft_pool = llm.engine.proposer.kv.pool
         assert draft_pool.num_free == draft_pool.num_blocks
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
+def test_draft_dtype(target_and_draft, dtype):
+    """The draft runs in the dtype asked for; 'auto' is bf16 where the (fp32) target runs on the C++
+    CPU kernels, else the target's. The output stays the plain target's."""
+    target, draft_path = target_and_draft
+    prompts = [[5, 6, 7, 8, 9], list(range(40, 57))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(loaded=target, max_model_len=128).generate(prompts, params)
+    llm = LLM(loaded=target, max_model_len=128, speculative_model=str(draft_path), speculative_dtype=dtype)
+    expected = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if expected is None:
+        expected = torch.bfloat16 if isinstance(target.model.ops, CpuLayerOps) else torch.float32
+    draft_runner = llm.engine.proposer.runner
+    assert draft_runner.model.dtype == expected and draft_runner.kv_cache.dtype == expected
+    spec = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.spec_stats.proposed > 0
 
 
 def test_sampled_speculation_matches_the_target_distribution(target_and_draft):

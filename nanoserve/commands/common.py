@@ -25,6 +25,9 @@ _HELP = {
     "num_speculative_tokens": "drafts verified per step and sequence",
     "speculative_min_confidence": "a draft model stops drafting for a sequence after a draft it gave less than this "
                                   "probability (0: always draft --num-speculative-tokens)",
+    "speculative_dtype": "the draft model's dtype: auto (bfloat16 where the target runs on nanoserve's CPU kernels, "
+                         "whose products stream bf16 weights at half the bytes; else the target's), bfloat16 or "
+                         "float32; float16 only on CUDA",
     "attention_backend": "auto (triton on CUDA; elsewhere cpu, the C++ paged kernel, where it builds, else torch), "
                          "cpu, torch or triton",
     "gpu_memory_utilization": "CUDA: share of GPU memory for weights, activations and the KV pool (sizes the pool "

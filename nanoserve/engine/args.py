@@ -32,6 +32,7 @@ class EngineArgs:
     speculative_model: str | None = None  # the draft model (implies speculative_method="draft")
     num_speculative_tokens: int = 4
     speculative_min_confidence: float = 0.4  # draft model: stop after a draft given less probability
+    speculative_dtype: str = "auto"  # the draft model's: auto (bf16 on nanoserve's CPU kernels, else the target's)
     attention_backend: str = "auto"  # auto (triton on CUDA; cpu, else torch, elsewhere), cpu, torch or triton
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
@@ -51,6 +52,9 @@ class EngineArgs:
             raise ValueError("speculative_model is a draft model; it does not go with speculative_method='ngram'")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        if self.speculative_dtype not in ("auto", "bfloat16", "float32", "float16"):
+            raise ValueError(f"speculative_dtype must be auto, bfloat16, float32 or float16, "
+                             f"got {self.speculative_dtype!r}")
         if not 0.0 <= self.speculative_min_confidence <= 1.0:
             raise ValueError(f"speculative_min_confidence must be in [0, 1], got {self.speculative_min_confidence}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

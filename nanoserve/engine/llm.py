@@ -20,7 +20,7 @@ from nanoserve.engine.model_runner import KVShape
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import NgramProposer, Proposer
 from nanoserve.model import CausalLM, LoadedModel, load_model
-from nanoserve.model.layer_ops import select_layer_ops
+from nanoserve.model.layer_ops import CpuLayerOps, select_layer_ops
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +65,16 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     loaded.model.ops = select_layer_ops(args.attention_backend, device, loaded.model.dtype)
     draft: LoadedModel | None = None
     if args.spec_method == "draft":
-        draft = load_model(args.speculative_model, dtype=loaded.model.dtype, device=device)
+        draft_dtype: str | torch.dtype = args.speculative_dtype
+        if draft_dtype == "auto":  # a draft pass is a few small products: bf16 halves the bytes they stream
+            draft_dtype = torch.bfloat16 if isinstance(loaded.model.ops, CpuLayerOps) else loaded.model.dtype
+        draft = load_model(args.speculative_model, dtype=draft_dtype, device=device)
         if draft.tokenizer.backend.get_vocab() != loaded.tokenizer.backend.get_vocab():
             raise ValueError(f"the draft model {args.speculative_model} does not share the target's tokenizer")
         draft.model.ops = loaded.model.ops
         dc = draft.config
         draft_shape = KVShape(dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim)
-        bytes_per_block += draft_shape.bytes_per_block(args.block_size, loaded.model.dtype)  # the draft's pool too
+        bytes_per_block += draft_shape.bytes_per_block(args.block_size, draft.model.dtype)  # the draft's pool too
     free_memory = None
     if device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory is None:
         free_memory = _gpu_kv_memory(loaded.model, kv_shape, args, device)
