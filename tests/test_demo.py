@@ -46,7 +46,7 @@ CHECKPOINT_FILES = {"config.json", "generation_config.json", "tokenizer.json", "
 # Questions in the corpus's style (not necessarily verbatim in it).
 QUESTIONS = ("What is the capital of France?", "How many legs does a spider have?", "What colour is grass?",
              "Who are you?")
-# Measured 0.83 on the shipped weights (docs/demo_model.md); a pair of untrained models agrees far less.
+# Measured 0.87 on the shipped weights (docs/demo_model.md); a pair of untrained models agrees far less.
 MIN_DRAFT_AGREEMENT = 0.6
 HELD_OUT_TOKENS = 1024
 
