@@ -203,6 +203,32 @@ def test_draft_dtype(target_and_draft, dtype):
     assert llm.engine.spec_stats.proposed > 0
 
 
+def test_no_drafts_while_the_batch_is_over_the_limit(target_and_draft):
+    """speculative_disable_by_batch_size=1: no draft while two or three requests run; drafts again
+    once the longest runs alone (the draft model first catching up on the tokens it missed); the
+    output is the plain target's throughout."""
+    target, draft_path = target_and_draft
+    prompts = [[5, 6, 7, 8, 9], list(range(40, 57)), [3] * 9]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 10, 30)]
+    plain = LLM(loaded=target, max_model_len=128).generate(prompts, params)
+    llm = LLM(loaded=target, max_model_len=128, speculative_model=str(draft_path),
+              speculative_disable_by_batch_size=1)
+    engine, propose = llm.engine, llm.engine.proposer.propose
+    batches: list[int] = []
+
+    def recorded(requests, budgets):
+        batches.append(len(engine.scheduler.running))
+        return propose(requests, budgets)
+
+    engine.proposer.propose = recorded
+    spec = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert batches and set(batches) == {1}
+    assert engine.spec_stats.proposed > 0
+    with pytest.raises(ValueError, match="at least 1"):
+        LLM(loaded=target, speculative_model=str(draft_path), speculative_disable_by_batch_size=0)
+
+
 def test_sampled_speculation_matches_the_target_distribution(target_and_draft):
     """Temperature 1, top-k 3: the joint distribution of the first two tokens, the second of which
     comes out of draft verification, matches the target's exactly computed one (chi-square)."""

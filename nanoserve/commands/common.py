@@ -25,6 +25,8 @@ _HELP = {
     "num_speculative_tokens": "drafts verified per step and sequence",
     "speculative_min_confidence": "a draft model stops drafting for a sequence after a draft it gave less than this "
                                   "probability (0: always draft --num-speculative-tokens)",
+    "speculative_disable_by_batch_size": "no drafts in steps while more sequences than this run (default: always "
+                                         "draft)",
     "speculative_dtype": "the draft model's dtype: auto (bfloat16 where the target runs on nanoserve's CPU kernels, "
                          "whose products stream bf16 weights at half the bytes; else the target's), bfloat16 or "
                          "float32; float16 only on CUDA",
@@ -36,7 +38,8 @@ _HELP = {
 }
 # Fields whose default is None, by the type a given value has.
 _OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int, "num_kv_blocks": int,
-                                    "speculative_method": str, "speculative_model": str}
+                                    "speculative_method": str, "speculative_model": str,
+                                    "speculative_disable_by_batch_size": int}
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:

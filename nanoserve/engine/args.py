@@ -32,6 +32,7 @@ class EngineArgs:
     speculative_model: str | None = None  # the draft model (implies speculative_method="draft")
     num_speculative_tokens: int = 4
     speculative_min_confidence: float = 0.4  # draft model: stop after a draft given less probability
+    speculative_disable_by_batch_size: int | None = None  # no drafts while more sequences than this run
     speculative_dtype: str = "auto"  # the draft model's: auto (bf16 on nanoserve's CPU kernels, else the target's)
     attention_backend: str = "auto"  # auto (triton on CUDA; cpu, else torch, elsewhere), cpu, torch or triton
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
@@ -52,6 +53,8 @@ class EngineArgs:
             raise ValueError("speculative_model is a draft model; it does not go with speculative_method='ngram'")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        if self.speculative_disable_by_batch_size is not None and self.speculative_disable_by_batch_size < 1:
+            raise ValueError("speculative_disable_by_batch_size must be at least 1")
         if self.speculative_dtype not in ("auto", "bfloat16", "float32", "float16"):
             raise ValueError(f"speculative_dtype must be auto, bfloat16, float32 or float16, "
                              f"got {self.speculative_dtype!r}")

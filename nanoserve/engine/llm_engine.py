@@ -259,8 +259,14 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for every running sequence in decode whose sampling speculation keeps exact:
-        no penalties (they would change between drafts), no logprobs, min_tokens reached."""
+        no penalties (they would change between drafts), no logprobs, min_tokens reached; none while
+        more sequences run than `speculative_disable_by_batch_size` (a batch that large already
+        reads each weight once for many tokens, so drafts cost more than they save; a draft model
+        catches up on the tokens it missed when it drafts again)."""
         assert self.proposer is not None
+        limit = self.args.speculative_disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            return
         candidates, budgets = [], []
         for req in self.scheduler.running:
             p = req.params
