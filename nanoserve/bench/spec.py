@@ -114,7 +114,7 @@ def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> l
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    headers = ["batch", "plain tok/s", "spec tok/s", "speed-up", "(pairs: min-max)", "acceptance", "tokens/verify"]
+    headers = ["batch", "plain tok/s", "spec tok/s", "speed-up", "(rounds: min-max)", "acceptance", "tokens/verify"]
     return format_table(headers, [[str(r["batch"]), f"{r['plain_tok_s']:.1f}", f"{r['spec_tok_s']:.1f}",
                                    f"{r['speedup']:.2f}x", "{:.2f}-{:.2f}".format(*r["speedup_range"]),
                                    f"{r['acceptance_rate']:.1%}", f"{r['mean_accepted_length']:.2f}"] for r in rows])
