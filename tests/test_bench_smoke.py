@@ -23,6 +23,7 @@ from nanoserve.cli import main
 from nanoserve.engine.args import EngineArgs
 from nanoserve.model import ModelConfig, load_model
 from nanoserve.model.gguf_export import export_gguf
+from nanoserve.model.loader import resolve_dtype
 
 from support import full_logits
 
@@ -199,7 +200,8 @@ def test_model_shape_checkpoint_through_the_cli(tmp_path, capsys, monkeypatch, d
     assert shape_checkpoint("qwen3-0.6b", TINY_SHAPE) == path  # cached
     _assert_nonzero(result["runs"][0])
     roof = result["roofline"]
-    assert roof["gemm_flops"] > 0 and roof["bandwidth"] > 0 and roof["dtype"] == "float32"
+    auto_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
+    assert roof["gemm_flops"] > 0 and roof["bandwidth"] > 0 and roof["dtype"] == auto_dtype
     assert roof["runs"]["batched"]["decode_bandwidth"] > 0
     assert "GEMM peak" in text and "decode % bandwidth" in text
 

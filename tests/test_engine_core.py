@@ -1,7 +1,9 @@
 """The engine core: its message protocol driven directly (Ready, one Update per iteration, Exited;
 stream-interval merging; refused requests; a failed step), and the core in a process of its own
 behind a real server (same greedy output as the in-thread core, validation in the front end,
-disconnects free blocks, a killed engine process fails the streams and the health check)."""
+disconnects free blocks, a killed engine process fails the streams and the health check), and a
+speculative core process (the shipped demo draft) serving the plain greedy output and reporting
+its drafts in /metrics."""
 
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_server_helpers import ENGINE_ARGS, SERVED, make_engine, serve, sse_payloads, wait_idle
+from test_server_helpers import ENGINE_ARGS, SERVED, make_engine, metric_value, serve, sse_payloads, wait_idle
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.model.demo import demo_draft_path
 from nanoserve.server import ServerConfig, build_app
 from nanoserve.server.engine_core import (
     AbortRequest,
@@ -215,6 +218,43 @@ def test_a_core_process_serves_what_the_in_thread_core_serves(demo_dir: Path) ->
     while _core_processes():  # the app's shutdown stopped the process
         assert time.monotonic() < deadline, "the engine process outlived its server"
         time.sleep(0.05)
+
+
+def test_a_speculative_core_process_serves_the_plain_greedy_output_and_counts_its_drafts(demo_dir: Path) -> None:
+    """`nanoserve serve --speculative-model` as the CLI runs it (the core in its own process, the
+    shipped distilled draft): concurrent greedy completions and streamed chats, plus a request with
+    logprobs (which never speculates) in the same batches, come out as the plain in-thread server's;
+    /metrics counts the drafts, and its acceptance rate and mean accepted length are those counts'."""
+    logprobs_body = {"model": SERVED, "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0,
+                     "ignore_eos": True, "logprobs": 2}
+
+    async def outputs(url: str) -> tuple[list[str], Any]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            texts, with_logprobs = await asyncio.gather(
+                _greedy_outputs(url), client.post(f"{url}/v1/completions", json=logprobs_body))
+        assert with_logprobs.status_code == 200, with_logprobs.text
+        return texts, with_logprobs.json()["choices"][0]
+
+    with serve(make_engine(demo_dir)) as (url, app):
+        expected_texts, expected_choice = asyncio.run(outputs(url))
+        wait_idle(app)
+    draft = demo_draft_path(demo_dir.parent)
+    with _process_server(demo_dir, speculative_model=str(draft), num_speculative_tokens=4) as (url, app):
+        texts, choice = asyncio.run(outputs(url))
+        assert texts == expected_texts
+        assert choice["text"] == expected_choice["text"]
+        assert choice["logprobs"]["tokens"] == expected_choice["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected_choice["logprobs"]["token_logprobs"],
+                                                                     abs=1e-4)
+        wait_idle(app)
+        page = httpx.get(f"{url}/metrics").text
+        proposed = metric_value(page, "nanoserve:spec_decode_num_draft_tokens_total")
+        accepted = metric_value(page, "nanoserve:spec_decode_num_accepted_tokens_total")
+        verifications = metric_value(page, "nanoserve:spec_decode_num_verifications_total")
+        assert 0 < accepted <= proposed <= 4 * verifications
+        assert metric_value(page, "nanoserve:spec_decode_acceptance_rate") == pytest.approx(accepted / proposed)
+        assert metric_value(page, "nanoserve:spec_decode_mean_accepted_length") == pytest.approx(
+            (accepted + verifications) / verifications)
 
 
 def test_a_killed_core_process_fails_its_streams_and_the_health_check(demo_dir: Path) -> None:

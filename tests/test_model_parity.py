@@ -90,8 +90,9 @@ def test_bf16_close_to_fp32(make_checkpoint):
 def test_bf16_fused_layer_ops_match_torch(make_checkpoint, family):
     """In bf16 the fused C++ steps round wherever torch does, so whole-model logits agree with the
     torch path's up to what a different fp32 summation order (in the norms and the products) can
-    flip in a bf16 rounding: one bf16 step at the largest logit (on this machine ~99% of the logits
-    are equal)."""
+    flip in a bf16 rounding, carried through the layers: at most two bf16 steps at the largest logit
+    (measured: at most 1.2 steps; 79-100% of the logits equal, by family and by CPU, since the
+    products take another inner loop where the CPU has AVX512-BF16)."""
     path = make_checkpoint(family)
     seqs = _random_seqs(1000, seed=2)
     loaded = load_model(path, dtype="bfloat16")
@@ -99,7 +100,7 @@ def test_bf16_fused_layer_ops_match_torch(make_checkpoint, family):
     loaded.model.ops = select_layer_ops("cpu", torch.device("cpu"), torch.bfloat16)
     fused = full_logits(loaded, seqs)
     for a, b in zip(ref, fused, strict=True):
-        assert (a - b).abs().max().item() <= 2**-7 * a.abs().max().item()
+        assert (a - b).abs().max().item() <= 2 * 2**-7 * a.abs().max().item()
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.98
 
 

@@ -10,6 +10,7 @@ then, since the runner then has no native decoder."""
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model import load_model
+from nanoserve.model.demo import demo_draft_path
 from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps, TorchLayerOps
 from nanoserve.model.native_decoder import NativeDecoder
 from nanoserve.native import load_cpu_kernels
@@ -139,16 +141,21 @@ def test_refuses_out_of_range_indices_having_written_nothing(make_checkpoint, ke
 
 def test_engine_runners_use_it(demo_dir, monkeypatch):
     """The demo target and its draft (here the target itself) run their steps through it on the CPU
-    (fp32 decodes and verification steps of up to SMALL_M tokens), with the greedy output of the
-    same engine without it."""
-    calls = {"n": 0}
-    call = NativeDecoder.__call__
+    (fp32 decodes and verification steps of up to SMALL_M tokens; every draft pass of a proposal in
+    one `draft_greedy` call), with the greedy output of the same engine without it."""
+    calls: Counter[str] = Counter()
+    call, draft = NativeDecoder.__call__, NativeDecoder.draft_greedy
 
-    def counted(self, *args):
-        calls["n"] += 1
+    def counted_call(self, *args):
+        calls["forward"] += 1
         return call(self, *args)
 
-    monkeypatch.setattr(NativeDecoder, "__call__", counted)
+    def counted_draft(self, *args):
+        calls["draft"] += 1
+        return draft(self, *args)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", counted_call)
+    monkeypatch.setattr(NativeDecoder, "draft_greedy", counted_draft)
     args = EngineArgs(model=str(demo_dir), dtype="float32", speculative_model=str(demo_dir), num_speculative_tokens=3)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -163,7 +170,49 @@ def test_engine_runners_use_it(demo_dir, monkeypatch):
     engine = build_engine(args)
     assert engine.runner.native is not None and engine.proposer.runner.native is not None
     native = generate()
-    assert calls["n"] > 24 // 4 * 2  # at least a verification and a draft pass per 4 tokens
+    assert calls["forward"] > 24 // 4 and calls["draft"] > 24 // 4  # a verification and a proposal per 4 tokens
     monkeypatch.setattr(NativeDecoder, "build", classmethod(lambda cls, model, backend: None))
-    calls["n"] = 0
-    assert generate() == native and calls["n"] == 0
+    calls.clear()
+    assert generate() == native and not calls
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.4])
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+def test_native_greedy_drafting_is_the_pass_by_pass_loop(demo_dir, draft_dtype, min_confidence):
+    """`ModelRunner.draft_greedy` (a proposal's every draft pass in one native call) proposes what the
+    Python loop of single passes proposes and writes the same draft-model K/V, bit for bit: over
+    whole greedy generations of three sequences of different lengths at once, with the shipped
+    draft, drafting the whole budget or stopping on low confidence."""
+    args = EngineArgs(model=str(demo_dir), speculative_model=str(demo_draft_path(demo_dir.parent)),
+                      num_speculative_tokens=4, speculative_dtype=draft_dtype,
+                      speculative_min_confidence=min_confidence, max_model_len=256, num_kv_blocks=64)
+    questions = ("What is the capital of France?", "Count from one to ten.", "Tell me a short story about a cat.")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 25, 33)]
+
+    def generate(native: bool) -> tuple[list[list[tuple[str, int, list[int]]]], dict[str, list[int]], torch.Tensor]:
+        engine = build_engine(args)
+        runner, propose = engine.proposer.runner, engine.proposer.propose
+        assert runner.native is not None
+        if not native:
+            runner.draft_greedy = lambda *a: None
+        proposals = []
+
+        def recorded(requests, budgets):
+            out = propose(requests, budgets)
+            proposals.append([(r.request_id, k, p.tokens) for r, k, p in zip(requests, budgets, out, strict=True)])
+            return out
+
+        engine.proposer.propose = recorded
+        for i, (question, p) in enumerate(zip(questions, params, strict=True)):
+            engine.add_request(f"r{i}", engine.tokenizer.encode_chat([{"role": "user", "content": question}]), p)
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for d in engine.step():
+                outputs.setdefault(d.request_id, []).extend(d.token_ids)
+        return proposals, outputs, runner.kv_cache
+
+    proposals, outputs, kv = generate(native=True)
+    loop_proposals, loop_outputs, loop_kv = generate(native=False)
+    assert proposals == loop_proposals and outputs == loop_outputs and torch.equal(kv, loop_kv)
+    short = [len(t) < k for step in proposals for _, k, t in step]  # stopped on low confidence
+    assert any(short) == (min_confidence > 0)

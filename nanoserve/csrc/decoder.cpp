@@ -21,11 +21,14 @@
 // num_blocks, block_size, num_kv_heads, head_dim]; cos and sin tables [table_len, head_dim] (row p:
 // position p); block_tables [num_seqs, table_stride]; out [n, hidden].
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 
 #include "kernels.h"
+#include "simd.h"
 
 // One decoder layer's parameters (null: absent from this family), as native_decoder.py lays them out.
 struct LayerWeights {
@@ -146,6 +149,91 @@ int decoder_forward(const int64_t* dims, float eps, float scale, const LayerWeig
   return 1;
 }
 
+// sum_v exp(row[v] - top) for top = max_v row[v]: the softmax's denominator, so 1 / it is the
+// probability of the argmax.
+template <typename T>
+float softmax_denominator(const T* row, int64_t vocab, float top) {
+  using namespace nanoserve;
+  vec8 acc{};
+  int64_t v = 0;
+  for (; v + kLanes <= vocab; v += kLanes) acc += exp_nonpositive(load8(row + v) - top);
+  float total = hsum(acc);
+  for (; v < vocab; ++v) total += std::exp(to_float(row[v]) - top);
+  return total;
+}
+
+// Greedy drafting for speculative decoding: the first pass over the prepared batch (each sequence's
+// tokens not yet computed), then one single-token pass per further draft for the sequences still
+// drafting, all in here. After each pass the LM head runs on each sequence's last hidden state (the
+// library's product, as CausalLM.compute_logits makes it); the draft is the argmax of those logits
+// as floats (the first on ties, as torch's argmax), and a sequence goes on while it has budget left
+// and the draft model gave its draft at least `min_confidence` probability (softmax at temperature
+// 1). A later pass feeds each sequence its last draft at the position after its last token, into
+// the slot its block table holds for that position. Output: drafts [num_seqs, max_budget] and
+// num_drafts [num_seqs] (each at least 1). Returns 1, or what decoder_forward refused, or 0 for a
+// position past a sequence's block table.
+template <typename T>
+int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights* layers, const T* embed,
+                 const T* final_norm, const T* lm_head, const T* cos_table, const T* sin_table, int64_t table_len,
+                 T* kv_cache, int64_t num_blocks, int64_t block_size, const int64_t* ids, const int64_t* positions,
+                 int64_t n, const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
+                 const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs, const int64_t* budgets,
+                 int64_t max_budget, float min_confidence, int64_t* drafts, int64_t* num_drafts, int num_threads) {
+  const int64_t vocab = dims[0], hidden = dims[1];
+  std::unique_ptr<T[]> out(new T[std::max(n, num_seqs) * hidden]), last(new T[num_seqs * hidden]),
+      logits(new T[num_seqs * vocab]);
+  int rc = decoder_forward(dims, eps, scale, layers, embed, final_norm, cos_table, sin_table, table_len, kv_cache,
+                           num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride,
+                           seq_lens, query_start, num_seqs, out.get(), num_threads);
+  if (rc != 1) return rc;
+  std::unique_ptr<int64_t[]> index(new int64_t[7 * num_seqs + 1]);  // one step's arrays, for the active sequences
+  int64_t *active = index.get(), *lens = active + num_seqs, *step_ids = lens + num_seqs,
+          *step_pos = step_ids + num_seqs, *step_slots = step_pos + num_seqs, *step_lens = step_slots + num_seqs,
+          *step_start = step_lens + num_seqs;  // num_seqs + 1
+  std::unique_ptr<int64_t[]> step_tables(new int64_t[num_seqs * table_stride]);
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    active[i] = i;
+    lens[i] = seq_lens[i];
+    std::memcpy(last.get() + i * hidden, out.get() + (query_start[i + 1] - 1) * hidden, hidden * sizeof(T));
+  }
+  for (int64_t m = num_seqs, s = 0; m > 0; ++s) {
+    linear(last.get(), lm_head, static_cast<const T*>(nullptr), logits.get(), m, vocab, hidden, num_threads);
+    int64_t kept = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const T* row = logits.get() + j * vocab;
+      int64_t best = 0;
+      float top = nanoserve::to_float(row[0]);
+      for (int64_t v = 1; v < vocab; ++v)
+        if (nanoserve::to_float(row[v]) > top) top = nanoserve::to_float(row[v]), best = v;
+      const int64_t seq = active[j];
+      drafts[seq * max_budget + s] = best;
+      num_drafts[seq] = s + 1;
+      if (s + 1 >= budgets[seq] || (min_confidence > 0.0f && 1.0f / softmax_denominator(row, vocab, top) <
+                                                                   min_confidence))
+        continue;
+      const int64_t pos = lens[seq]++;
+      if (pos / block_size >= table_stride) return 0;
+      active[kept] = seq;
+      step_ids[kept] = best;
+      step_pos[kept] = pos;
+      step_slots[kept] = block_tables[seq * table_stride + pos / block_size] * block_size + pos % block_size;
+      step_lens[kept] = pos + 1;
+      step_start[kept] = kept;
+      std::memcpy(step_tables.get() + kept * table_stride, block_tables + seq * table_stride,
+                  table_stride * sizeof(int64_t));
+      ++kept;
+    }
+    m = kept;
+    if (m == 0) break;
+    step_start[m] = m;
+    rc = decoder_forward(dims, eps, scale, layers, embed, final_norm, cos_table, sin_table, table_len, kv_cache,
+                         num_blocks, block_size, step_ids, step_pos, m, step_slots, step_tables.get(), table_stride,
+                         step_lens, step_start, m, last.get(), num_threads);
+    if (rc != 1) return rc;
+  }
+  return 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -175,6 +263,34 @@ int nanoserve_decoder_forward_bf16(const int64_t* dims, float eps, float scale, 
   return decoder_forward(dims, eps, scale, layers, embed, final_norm, cos_table, sin_table, table_len, kv_cache,
                          num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride, seq_lens,
                          query_start, num_seqs, out, num_threads);
+}
+
+// Greedy drafting (draft_greedy above) from a prepared first pass; budgets [num_seqs] (each at least
+// 1 and at most max_budget), drafts [num_seqs, max_budget], num_drafts [num_seqs].
+int nanoserve_draft_greedy_f32(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
+                               const float* embed, const float* final_norm, const float* lm_head,
+                               const float* cos_table, const float* sin_table, int64_t table_len, float* kv_cache,
+                               int64_t num_blocks, int64_t block_size, const int64_t* ids, const int64_t* positions,
+                               int64_t n, const int64_t* slot_mapping, const int64_t* block_tables,
+                               int64_t table_stride, const int64_t* seq_lens, const int64_t* query_start,
+                               int64_t num_seqs, const int64_t* budgets, int64_t max_budget, float min_confidence,
+                               int64_t* drafts, int64_t* num_drafts, int num_threads) {
+  return draft_greedy(dims, eps, scale, layers, embed, final_norm, lm_head, cos_table, sin_table, table_len, kv_cache,
+                      num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride, seq_lens,
+                      query_start, num_seqs, budgets, max_budget, min_confidence, drafts, num_drafts, num_threads);
+}
+int nanoserve_draft_greedy_bf16(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
+                                const uint16_t* embed, const uint16_t* final_norm, const uint16_t* lm_head,
+                                const uint16_t* cos_table, const uint16_t* sin_table, int64_t table_len,
+                                uint16_t* kv_cache, int64_t num_blocks, int64_t block_size, const int64_t* ids,
+                                const int64_t* positions, int64_t n, const int64_t* slot_mapping,
+                                const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
+                                const int64_t* query_start, int64_t num_seqs, const int64_t* budgets,
+                                int64_t max_budget, float min_confidence, int64_t* drafts, int64_t* num_drafts,
+                                int num_threads) {
+  return draft_greedy(dims, eps, scale, layers, embed, final_norm, lm_head, cos_table, sin_table, table_len, kv_cache,
+                      num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride, seq_lens,
+                      query_start, num_seqs, budgets, max_budget, min_confidence, drafts, num_drafts, num_threads);
 }
 
 }  // extern "C"

@@ -69,6 +69,14 @@ class DraftModelProposer:
             # Single-token sequences first, as a plan must list them; logits rows follow `rows`.
             active.sort(key=lambda a: a[1].seq.num_tokens - a[1].seq.num_computed_tokens > 1)
             plan = StepPlan([(s.seq, s.seq.num_tokens - s.seq.num_computed_tokens) for _, s, _ in active])
+            if all(req.params.greedy for req, _, _ in active):  # the passes left in one native call, where it runs
+                native = self.runner.draft_greedy(plan, {s.seq: k - step for _, s, k in active}, self.min_confidence)
+                if native is not None:
+                    for req, shadow, _ in active:
+                        drafts[req] += native[shadow.seq]
+                        shadow.seq.all_token_ids += native[shadow.seq]
+                        shadow.seq.num_computed_tokens = shadow.seq.num_tokens - 1  # all but the last draft
+                    break
             logits, rows, _ = self.runner.forward(plan)
             # Greedy rows draft the argmax (q is a point mass: nothing to keep); sampled rows draw from
             # q, all in one `sampling_probs`, each with one uniform from its own stream.

@@ -98,6 +98,19 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         return self.model.compute_logits(hidden[sample_rows]), sample_reqs, spec_reqs
 
+    def draft_greedy(self, plan: StepPlan, budgets: dict[Request, int],
+                     min_confidence: float) -> dict[Request, list[int]] | None:
+        """Greedy drafts for every sequence of `plan` (each ends its step at its last token) in one
+        native call (`NativeDecoder.draft_greedy`: the step, then a pass per further draft, up to
+        `budgets[seq]` drafts, stopping after one given less than `min_confidence`); None when the
+        native decoder does not take the step, and the caller drafts pass by pass."""
+        if self.native is None or not self.native.fits(plan.num_tokens):
+            return None
+        meta, input_ids, positions, _, seqs, _ = self._prepare(plan)
+        drafts = self.native.draft_greedy(input_ids, positions, self.kv_cache, meta, [budgets[s] for s in seqs],
+                                          min_confidence)
+        return dict(zip(seqs, drafts, strict=True))
+
     def execute(self, plan: StepPlan) -> StepResult:
         logits, sample_reqs, spec_reqs = self.forward(plan)
         sampled = SamplerOutput([], None, None)

@@ -63,6 +63,10 @@ class NativeDecoder:
                        i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._forward = fn
+        draft = getattr(ops.lib, f"nanoserve_draft_greedy_{DTYPE_SUFFIX[self.dtype]}")
+        draft.argtypes = [*fn.argtypes[:6], ptr, *fn.argtypes[6:-2], ptr, i64, f32, ptr, ptr, ctypes.c_int]
+        draft.restype = ctypes.c_int
+        self._draft_greedy = draft
 
     @classmethod
     def build(cls, model: CausalLM, backend: AttentionBackend) -> NativeDecoder | None:
@@ -85,11 +89,7 @@ class NativeDecoder:
         """The final hidden states [num_tokens, hidden_size], as `CausalLM.forward` returns them.
         Raises IndexError, having written nothing, for a token id, position or slot out of range."""
         n = input_ids.shape[0]
-        indices = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
-        if not all(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu" for t in indices):
-            raise ValueError("the native decoder takes contiguous int64 CPU ids, positions and metadata")
-        if kv_cache.dtype != self.dtype or not kv_cache.is_contiguous():
-            raise ValueError("the native decoder takes a contiguous KV cache of the model's dtype")
+        self._check(input_ids, positions, kv_cache, meta)
         _, _, num_blocks, block_size, _, _ = kv_cache.shape
         cos, sin = self.model.rope_tables(max(meta.seq_lens_cpu, default=0), self.dtype)
         out = torch.empty(n, self.model.cfg.hidden_size, dtype=self.dtype)
@@ -100,7 +100,49 @@ class NativeDecoder:
             meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.seq_lens.data_ptr(),
             meta.query_start_loc.data_ptr(), meta.num_seqs, out.data_ptr(), torch.get_num_threads(),
         )
-        if ran != 1:
-            what = {-1: "a token id outside the vocabulary", -2: "a position outside the rotary tables"}
-            raise IndexError(f"native decoder: {what.get(ran, 'a slot outside the KV pool')}")
+        _raise_unless_ran(ran)
         return out
+
+    def draft_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, budgets: list[int], min_confidence: float) -> list[list[int]]:
+        """Greedy drafts for the sequences of a prepared step (each sequence's tokens not yet
+        computed; `budgets` in the step's sequence order, each at least 1), in one call: the pass
+        over the step, the LM head and argmax on each sequence's last token, then one single-token
+        pass per further draft for the sequences that have budget left and whose last draft had at
+        least `min_confidence` probability (0: always). The K/V of every draft but each sequence's
+        last is written at the positions after its tokens, so the block tables must cover them. The
+        drafts are those of the Python loop over `__call__` and `CausalLM.compute_logits`, up to the
+        confidence compared in another exp (a draft at the threshold may stop on one side only)."""
+        self._check(input_ids, positions, kv_cache, meta)
+        _, _, num_blocks, block_size, _, _ = kv_cache.shape
+        max_budget = max(budgets)
+        cos, sin = self.model.rope_tables(max(meta.seq_lens_cpu) + max_budget, self.dtype)
+        head = self.model.embed_tokens if self.model.lm_head is None else self.model.lm_head
+        budget = torch.tensor(budgets, dtype=torch.int64)
+        drafts = torch.empty(len(budgets), max_budget, dtype=torch.int64)
+        counts = torch.empty(len(budgets), dtype=torch.int64)
+        ran = self._draft_greedy(
+            self.dims.data_ptr(), self.eps, self.scale, self.layers, self.model.embed_tokens.data_ptr(),
+            self.model.norm.weight.data_ptr(), head.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            kv_cache.data_ptr(), num_blocks, block_size, input_ids.data_ptr(), positions.data_ptr(),
+            input_ids.shape[0], meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
+            meta.block_tables.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.num_seqs,
+            budget.data_ptr(), max_budget, min_confidence, drafts.data_ptr(), counts.data_ptr(),
+            torch.get_num_threads(),
+        )
+        _raise_unless_ran(ran)
+        return [row[:c] for row, c in zip(drafts.tolist(), counts.tolist(), strict=True)]
+
+    def _check(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata) -> None:
+        indices = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if not all(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu" for t in indices):
+            raise ValueError("the native decoder takes contiguous int64 CPU ids, positions and metadata")
+        if kv_cache.dtype != self.dtype or not kv_cache.is_contiguous():
+            raise ValueError("the native decoder takes a contiguous KV cache of the model's dtype")
+
+
+def _raise_unless_ran(code: int) -> None:
+    if code != 1:
+        what = {-1: "a token id outside the vocabulary", -2: "a position outside the rotary tables"}
+        raise IndexError(f"native decoder: {what.get(code, 'a slot outside the KV pool')}")
