@@ -34,6 +34,14 @@ def ops(tmp_path_factory) -> CpuLayerOps:
     return CpuLayerOps(lib)
 
 
+@pytest.fixture(scope="module")
+def any_rows(ops) -> CpuLayerOps:
+    """The same library with every product of up to 1,000 rows through linear.cpp, in both dtypes."""
+    wide = CpuLayerOps(ops.lib)
+    wide.max_rows = dict.fromkeys(wide.max_rows, 1000)
+    return wide
+
+
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
@@ -53,19 +61,19 @@ def _check_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert (diff[expected.float().abs() > 1e-30] == 0).float().mean() > 0.99
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 130])  # odd m: a last row of x on its own; 130: three blocks
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 130])  # odd m: a last row of x alone, or five rows (vdpbf16ps)
 @pytest.mark.parametrize("n,k", [(1, 8), (7, 100), (130, 256)])  # n: tails of W's row groups; k: a scalar tail
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear(ops, m, n, k, bias):
+def test_linear(ops, any_rows, m, n, k, bias):
     x, w = _randn(m, k, seed=20), _randn(n, k, seed=21)
     b = _randn(n, seed=22) if bias else None
-    if m <= SMALL_M:  # fp32 beyond SMALL_M rows is F.linear's
-        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
-        torch.testing.assert_close(ops.linear(x, w, b).double(), exact, atol=1e-5, rtol=1e-5)
+    # The kernel's at any size, whatever rows `ops.linear` leaves to torch's GEMM on this CPU.
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(any_rows.linear(x, w, b).double(), exact, atol=1e-5, rtol=1e-5)
     # bf16 in and out, fp32 accumulation: the exact product of the bf16 inputs, rounded once.
     xb, wb, bb = x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()
     exact = F.linear(xb.double(), wb.double(), None if bb is None else bb.double())
-    got = ops.linear(xb, wb, bb)
+    got = any_rows.linear(xb, wb, bb)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=2**-8)
 
@@ -73,6 +81,8 @@ def test_linear(ops, m, n, k, bias):
 def test_linear_leaves_large_fp32_or_odd_inputs_to_torch(ops):
     x, w = _randn(SMALL_M + 1, 64, seed=23), _randn(32, 64, seed=24)
     assert torch.equal(ops.linear(x, w), F.linear(x, w))  # MKL's GEMM, bit for bit
+    if ops.max_rows[torch.bfloat16] is not None:  # a CPU with AVX512-BF16: torch's native bf16 GEMM
+        assert torch.equal(ops.linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
     w_t = _randn(64, 32, seed=25).t()  # a transposed view: not contiguous
     assert torch.equal(ops.linear(x[:4], w_t), F.linear(x[:4], w_t))
     assert torch.equal(ops.linear(x[:4].half(), w.half()), F.linear(x[:4].half(), w.half()))

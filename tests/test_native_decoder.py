@@ -23,6 +23,7 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model import load_model
 from nanoserve.model.demo import demo_draft_path
 from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps, TorchLayerOps
+from nanoserve.model.loader import cpu_has_fast_bf16
 from nanoserve.model.native_decoder import NativeDecoder
 from nanoserve.native import load_cpu_kernels
 
@@ -32,11 +33,12 @@ from support import paged_batch
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 
 BLOCK_SIZE = 8
-# (seq_len, query_len) per sequence, decodes first: fp32 steps of at most SMALL_M tokens (what
-# fp32 sends here), and for bf16 also long prefill chunks (any size goes here in bf16).
-FP32_SPECS = {"decodes": [(1, 1), (9, 1), (30, 1)], "decodes and drafts": [(12, 1), (30, 5), (17, 5), (40, 5)],
-              "a short prefill after context": [(20, 1), (45, 15)]}
-BF16_SPECS = {**FP32_SPECS, "long chunks": [(20, 1), (60, 25), (70, 70), (7, 3)]}
+# (seq_len, query_len) per sequence, decodes first: steps of at most SMALL_M tokens (what fp32, and
+# bf16 on CPUs with AVX512-BF16, send here), and where bf16 comes here at any size, long prefill
+# chunks too.
+SMALL_SPECS = {"decodes": [(1, 1), (9, 1), (30, 1)], "decodes and drafts": [(12, 1), (30, 5), (17, 5), (40, 5)],
+               "a short prefill after context": [(20, 1), (45, 15)]}
+ANY_SPECS = {**SMALL_SPECS, "long chunks": [(20, 1), (60, 25), (70, 70), (7, 3)]}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def test_same_bits_as_the_python_forward(make_checkpoint, kernels, family, dtype
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for i, specs in enumerate((FP32_SPECS if dtype == torch.float32 else BF16_SPECS).values()):
+        for i, specs in enumerate((SMALL_SPECS if ops.max_rows[dtype] else ANY_SPECS).values()):
             ids, positions, kv, meta = _step(loaded.config, specs, dtype, seed=i)
             assert native.fits(len(ids))
             kv_native = kv.clone()
@@ -100,13 +102,15 @@ def test_same_bits_as_the_python_forward(make_checkpoint, kernels, family, dtype
 
 
 def test_takes_what_runs_in_cpp_anyway(make_checkpoint, kernels):
-    """fp32 steps of up to SMALL_M tokens (beyond, CpuLayerOps.linear hands fp32 to MKL); bf16 of any size."""
+    """fp32 steps of up to SMALL_M tokens (beyond, CpuLayerOps.linear hands fp32 to MKL); bf16 of up
+    to SMALL_M where the CPU has AVX512-BF16 (beyond, to torch's native bf16 GEMM), else of any size."""
     ops, backend = kernels
     fp32 = NativeDecoder.build(_model(make_checkpoint, "qwen3", torch.float32, ops).model, backend)
     bf16 = NativeDecoder.build(_model(make_checkpoint, "qwen3", torch.bfloat16, ops).model, backend)
     assert fp32 is not None and bf16 is not None
     assert fp32.fits(SMALL_M) and not fp32.fits(SMALL_M + 1)
-    assert bf16.fits(SMALL_M + 1) and bf16.fits(4096)
+    assert ops.max_rows[torch.bfloat16] == (SMALL_M if cpu_has_fast_bf16() else None)
+    assert bf16.fits(SMALL_M) and bf16.fits(4096) == (not cpu_has_fast_bf16())
 
 
 def test_built_only_on_the_cpp_path(make_checkpoint, kernels):
@@ -125,7 +129,7 @@ def test_refuses_out_of_range_indices_having_written_nothing(make_checkpoint, ke
     loaded = _model(make_checkpoint, "qwen2", torch.float32, ops)
     native = NativeDecoder.build(loaded.model, backend)
     assert native is not None
-    ids, positions, kv, meta = _step(loaded.config, FP32_SPECS["decodes and drafts"], torch.float32, seed=5)
+    ids, positions, kv, meta = _step(loaded.config, SMALL_SPECS["decodes and drafts"], torch.float32, seed=5)
     pool = kv.clone()
     bad_ids = ids.clone()
     bad_ids[3] = loaded.config.vocab_size

@@ -27,6 +27,7 @@ void nanoserve_linear_f32(const float* x, const float* w, const float* bias, flo
                           int64_t K, int num_threads);
 void nanoserve_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M,
                            int64_t N, int64_t K, int num_threads);
+int nanoserve_linear_bf16_native();
 
 // paged_attention.cpp
 int nanoserve_paged_attention_f32(const float* q, int64_t q_stride, const float* cache, float* out,

@@ -89,24 +89,29 @@ inline void dot_block(const float* xf, const T* w, int64_t K, float (*res)[8]) {
 constexpr bool kDotBf16 = true;
 
 // dot_block for bf16 x (stride K) against bf16 W with vdpbf16ps: one zmm accumulator per (m, j),
-// 32 values of K per instruction (K's last partial stretch through masked loads, which read zeros),
-// the next NW rows of W prefetched a cache line (32 values) per step.
+// 32 values of K per instruction (K's last partial stretch through masked loads, which read zeros);
+// for one row of x, which streams W, the next NW rows of W prefetched a cache line (32 values) per step.
 template <int NW, int MX>
 inline void dot_block_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float (*res)[8]) {
   __m512 acc[MX][NW];
   for (int m = 0; m < MX; ++m)
     for (int j = 0; j < NW; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : (__mmask32{1} << (K - k)) - 1;
+  const auto step = [&](int64_t k, auto load) {
     __m512i wv[NW];
     for (int j = 0; j < NW; ++j) {
-      __builtin_prefetch(w + (j + NW) * K + k, 0, 0);
-      wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * K + k);
+      if constexpr (MX == 1) __builtin_prefetch(w + (j + NW) * K + k, 0, 0);  // several rows: ~5% slower with it
+      wv[j] = load(w + j * K + k);
     }
     for (int m = 0; m < MX; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+      const __m512bh xv = (__m512bh)load(x + m * K + k);
       for (int j = 0; j < NW; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, (__m512bh)wv[j]);
     }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step(k, [](const uint16_t* p) { return _mm512_loadu_si512(p); });
+  if (k < K) {
+    const __mmask32 mask = (__mmask32{1} << (K - k)) - 1;
+    step(k, [mask](const uint16_t* p) { return _mm512_maskz_loadu_epi16(mask, p); });
   }
   for (int m = 0; m < MX; ++m)
     for (int j = 0; j < NW; ++j) res[m][j] = _mm512_reduce_add_ps(acc[m][j]);
@@ -176,14 +181,19 @@ void products(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t
     const int64_t mb = std::min(kRowsPerBlock, M - m0);
     const X* xb = xf + m0 * K;
     T* ob = out + m0 * N;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && mb * N * K >= kParallelWork)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t begin = task * kColumnsPerTask, end = std::min(N, begin + kColumnsPerTask);
+    const auto task_range = [&](int64_t begin, int64_t end) {
       if (mb == 1)
         column_range<X, T, dp ? 8 : 4>(xb, w, bias, ob, mb, N, K, begin, end);
       else
         column_range<X, T, dp ? 4 : 2>(xb, w, bias, ob, mb, N, K, begin, end);
+    };
+    if (num_threads == 1 || mb * N * K < kParallelWork) {  // no OpenMP region: ~1 us a call saved
+      task_range(0, N);
+      continue;
     }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t task = 0; task < tasks; ++task)
+      task_range(task * kColumnsPerTask, std::min(N, (task + 1) * kColumnsPerTask));
   }
 }
 
@@ -212,5 +222,8 @@ void nanoserve_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t*
                            int64_t N, int64_t K, int num_threads) {
   linear(x, w, bias, out, M, N, K, num_threads);
 }
+
+// 1 when the bf16 products use the AVX512-BF16 dot product (the library was built for a CPU with it).
+int nanoserve_linear_bf16_native() { return kDotBf16 ? 1 : 0; }
 
 }  // extern "C"

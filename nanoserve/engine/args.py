@@ -31,7 +31,7 @@ class EngineArgs:
     speculative_method: str | None = None  # "ngram" or "draft"
     speculative_model: str | None = None  # the draft model (implies speculative_method="draft")
     num_speculative_tokens: int = 4
-    speculative_min_confidence: float = 0.4  # draft model: stop after a draft given less probability
+    speculative_min_confidence: float = 0.2  # draft model: stop after a draft given less probability
     speculative_disable_by_batch_size: int | None = None  # no drafts while more sequences than this run
     speculative_dtype: str = "auto"  # the draft model's: auto (bf16 on nanoserve's CPU kernels, else the target's)
     attention_backend: str = "auto"  # auto (triton on CUDA; cpu, else torch, elsewhere), cpu, torch or triton

@@ -3,7 +3,9 @@
 The draft keeps its own paged KV (its own pool and a block table per sequence) and a shadow
 `Request` per target sequence. Each proposal first feeds the shadow whatever target tokens it has
 not computed (the whole prompt the first time; afterwards the target's last accepted tokens), then
-runs one single-token step per further draft, all sequences batched in each pass. Drafts are drawn
+runs one single-token step per further draft, all sequences batched in each pass; where every
+sequence drafts greedily and the draft runs on nanoserve's CPU kernels, those passes are one native
+call (`ModelRunner.draft_greedy`), which proposes the same drafts. Drafts are drawn
 from the draft's own sampling distribution q (same parameters as the request), and q is returned
 so the target can verify by rejection sampling; greedy requests draft the draft's argmax (q is a
 point mass, returned as None).
@@ -36,12 +38,13 @@ class _Shadow:
 
 class DraftModelProposer:
     def __init__(self, model: Model, kv_shape: KVShape, num_blocks: int, block_size: int, vocab_size: int,
-                 device: torch.device, min_confidence: float = 0.4, backend: AttentionBackend | None = None) -> None:
+                 device: torch.device, min_confidence: float = 0.2, backend: AttentionBackend | None = None) -> None:
         """`min_confidence`: a sequence stops drafting before its budget after a draft to which the
         draft model's softmax (temperature 1, no filters) gave less than this probability; that draft
         is still proposed. A draft it is unsure of is likely rejected, and each further draft costs a
         whole draft pass. Exactness does not depend on it (whether a draft follows depends only on
-        earlier drafts). 0 drafts the whole budget; 0.4 is transformers' assisted-generation default.
+        earlier drafts). 0 drafts the whole budget. transformers' assisted generation stops at 0.4;
+        drafts made in one native call are cheap enough that 0.2 yields more (docs/speculative.md).
         `backend`: the draft runner's attention backend (default: torch)."""
         self.min_confidence = min_confidence
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)

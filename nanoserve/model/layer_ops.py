@@ -5,8 +5,9 @@ residual add before it, per-head q/k RMSNorm with rotary embedding, and SwiGLU's
 `nanoserve.model.layers`, on any device, capturable in CUDA graphs. `CpuLayerOps` runs the same
 steps through nanoserve's C++ (`nanoserve/csrc/`): each elementwise step one call where torch makes
 3-15 (an RMSNorm of one row: seven torch calls, ~27 µs on one core of this AMD EPYC, against ~5 µs
-fused, most of it the Python around the call), and the products of a few rows (fp32) or of any
-number (bf16) through `linear.cpp`, which reads each row of the weight once for all rows of x.
+fused, most of it the Python around the call), and the products of a few rows (fp32, and bf16 on
+CPUs with AVX512-BF16) or of any number (bf16 elsewhere) through `linear.cpp`, which reads each row
+of the weight once for all rows of x.
 
 Invariants shared by both:
 - `rms_norm` with a residual adds x into the residual in place (residual += x, rounded to the
@@ -70,7 +71,9 @@ class TorchLayerOps:
 
 
 # CpuLayerOps.linear's C++ product takes fp32 inputs of up to SMALL_M rows (MKL's GEMM is faster
-# beyond) and bf16 inputs of any size (torch's bf16 GEMM without native bf16 is 4x slower at 200 rows).
+# beyond), and bf16 inputs of up to SMALL_M rows where the CPU has AVX512-BF16 (torch's oneDNN GEMM
+# then multiplies bf16 natively too, and is 1.3-2x faster from 64 rows up) or of any number where it
+# has not (torch's bf16 GEMM is then emulated and 4x slower at 200 rows).
 SMALL_M = 16
 
 
@@ -84,6 +87,9 @@ class CpuLayerOps:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
+        # The most rows of x each dtype's products take here (None: any); F.linear takes the rest.
+        self.max_rows: dict[torch.dtype, int | None] = {
+            torch.float32: SMALL_M, torch.bfloat16: SMALL_M if lib.nanoserve_linear_bf16_native() else None}
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._linear, self._norm, self._rope, self._silu = {}, {}, {}, {}
         for dtype, suffix in DTYPE_SUFFIX.items():
@@ -94,10 +100,11 @@ class CpuLayerOps:
             self._silu[dtype] = _bind(lib, f"nanoserve_silu_mul_{suffix}", ptr, ptr, i64, i64, i32)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The C++ product for 2-D contiguous x of one dtype with its weight and bias: bf16, or fp32
-        of at most `SMALL_M` rows; F.linear otherwise."""
+        """The C++ product for 2-D contiguous x of one dtype with its weight and bias, of at most
+        `max_rows[dtype]` rows; F.linear otherwise."""
+        limit = self.max_rows.get(x.dtype)
         if (x.dim() != 2 or x.dtype not in self.DTYPES or weight.dtype != x.dtype
-                or (x.dtype == torch.float32 and x.shape[0] > SMALL_M)
+                or (limit is not None and x.shape[0] > limit)
                 or not (x.is_contiguous() and weight.is_contiguous())
                 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
             return F.linear(x, weight, bias)

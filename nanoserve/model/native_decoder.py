@@ -7,9 +7,10 @@ the arithmetic itself. `NativeDecoder` makes the same calls, in the same order a
 arguments and thread count, from C++: its hidden states are bit for bit those of `CausalLM.forward`
 with those backends.
 
-It takes a step when all of that step's products would go to `linear.cpp` anyway: bf16 models at any
-size, fp32 models for steps of at most `SMALL_M` tokens (beyond, `CpuLayerOps.linear` hands fp32 to
-MKL's GEMM, which the C++ path does not reproduce). The model runner asks `fits` before each step.
+It takes a step when all of that step's products would go to `linear.cpp` anyway: steps of at most
+`CpuLayerOps.max_rows[dtype]` tokens (`SMALL_M` for fp32, and for bf16 on CPUs with AVX512-BF16;
+any number for bf16 elsewhere); beyond, `CpuLayerOps.linear` hands the products to torch's GEMM,
+which the C++ path does not reproduce. The model runner asks `fits` before each step.
 
 Invariant: the model's parameters stay where they were when the decoder was built (loaders fill
 them in place before the engine is built; nothing replaces them afterwards), since it holds their
@@ -25,7 +26,7 @@ import torch
 from nanoserve.attention.cpu_paged import CpuPagedAttention
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.model.decoder import CausalLM
-from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps
+from nanoserve.model.layer_ops import CpuLayerOps
 from nanoserve.native import DTYPE_SUFFIX
 
 
@@ -45,6 +46,7 @@ class NativeDecoder:
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
+        self.max_rows = ops.max_rows[model.dtype]
         self.dims = torch.tensor([cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                   cfg.head_dim, cfg.intermediate_size, cfg.num_hidden_layers], dtype=torch.int64)
         self.layers = (LayerWeights * len(model.layers))()
@@ -82,7 +84,8 @@ class NativeDecoder:
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs here (see the module docstring)."""
-        return self.dtype == torch.bfloat16 or num_tokens <= SMALL_M
+        limit = self.max_rows
+        return limit is None or num_tokens <= limit
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
