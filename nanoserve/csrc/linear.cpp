@@ -20,8 +20,8 @@
 // On CPUs with AVX512-BF16 (built with -march=native there) bf16 takes another inner loop: x stays
 // bf16 and each instruction (vdpbf16ps) multiplies 32 pairs of bf16 values exactly and adds them, two
 // by two, into 16 fp32 accumulators; no widening, and twice the multiply-adds of an fp32 FMA per
-// instruction (measured on a Zen 4 core: the demo model's products 3.5x faster for 5 rows, 3x for
-// one). Its results differ from the widening loop's only in the order of the fp32 additions (and in
+// instruction (measured on a Zen 4 core: the demo model's products 3.4x faster for one row, 3.5x for
+// five). Its results differ from the widening loop's only in the order of the fp32 additions (and in
 // flushing subnormal inputs to zero, as the instruction does).
 //
 // Layouts (all contiguous): x [M, K], w [N, K], bias [N] or null, out [M, N].
@@ -42,7 +42,7 @@ namespace {
 
 using namespace nanoserve;
 
-constexpr int kRowsX = 4;                  // rows of x per pass over K, at most (5 on the vdpbf16ps path)
+constexpr int kRowsX = 4;                  // rows of x per pass over K, at most (5 on the vdpbf16ps path when 5 remain)
 constexpr int64_t kRowsPerBlock = 64;      // rows of x per pass over all of W
 constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work item
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
