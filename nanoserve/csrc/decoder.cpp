@@ -165,7 +165,8 @@ float softmax_denominator(const T* row, int64_t vocab, float top) {
 // Greedy drafting for speculative decoding: the first pass over the prepared batch (each sequence's
 // tokens not yet computed), then one single-token pass per further draft for the sequences still
 // drafting, all in here. After each pass the LM head runs on each sequence's last hidden state (the
-// library's product, as CausalLM.compute_logits makes it); the draft is the argmax of those logits
+// library's product, as CausalLM.compute_logits makes it); the draft is the argmax of the first
+// `vocab` logits (the tokens the engine samples from: a checkpoint's padding rows are never drafted)
 // as floats (the first on ties, as torch's argmax), and a sequence goes on while it has budget left
 // and the draft model gave its draft at least `min_confidence` probability (softmax at temperature
 // 1). A later pass feeds each sequence its last draft at the position after its last token, into
@@ -174,14 +175,15 @@ float softmax_denominator(const T* row, int64_t vocab, float top) {
 // position past a sequence's block table.
 template <typename T>
 int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights* layers, const T* embed,
-                 const T* final_norm, const T* lm_head, const T* cos_table, const T* sin_table, int64_t table_len,
-                 T* kv_cache, int64_t num_blocks, int64_t block_size, const int64_t* ids, const int64_t* positions,
-                 int64_t n, const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
-                 const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs, const int64_t* budgets,
-                 int64_t max_budget, float min_confidence, int64_t* drafts, int64_t* num_drafts, int num_threads) {
-  const int64_t vocab = dims[0], hidden = dims[1];
+                 const T* final_norm, const T* lm_head, int64_t vocab, const T* cos_table, const T* sin_table,
+                 int64_t table_len, T* kv_cache, int64_t num_blocks, int64_t block_size, const int64_t* ids,
+                 const int64_t* positions, int64_t n, const int64_t* slot_mapping, const int64_t* block_tables,
+                 int64_t table_stride, const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs,
+                 const int64_t* budgets, int64_t max_budget, float min_confidence, int64_t* drafts,
+                 int64_t* num_drafts, int num_threads) {
+  const int64_t rows = dims[0], hidden = dims[1];  // the whole head, as compute_logits multiplies it
   std::unique_ptr<T[]> out(new T[std::max(n, num_seqs) * hidden]), last(new T[num_seqs * hidden]),
-      logits(new T[num_seqs * vocab]);
+      logits(new T[num_seqs * rows]);
   int rc = decoder_forward(dims, eps, scale, layers, embed, final_norm, cos_table, sin_table, table_len, kv_cache,
                            num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride,
                            seq_lens, query_start, num_seqs, out.get(), num_threads);
@@ -197,10 +199,10 @@ int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights
     std::memcpy(last.get() + i * hidden, out.get() + (query_start[i + 1] - 1) * hidden, hidden * sizeof(T));
   }
   for (int64_t m = num_seqs, s = 0; m > 0; ++s) {
-    linear(last.get(), lm_head, static_cast<const T*>(nullptr), logits.get(), m, vocab, hidden, num_threads);
+    linear(last.get(), lm_head, static_cast<const T*>(nullptr), logits.get(), m, rows, hidden, num_threads);
     int64_t kept = 0;
     for (int64_t j = 0; j < m; ++j) {
-      const T* row = logits.get() + j * vocab;
+      const T* row = logits.get() + j * rows;
       int64_t best = 0;
       float top = nanoserve::to_float(row[0]);
       for (int64_t v = 1; v < vocab; ++v)
@@ -265,32 +267,35 @@ int nanoserve_decoder_forward_bf16(const int64_t* dims, float eps, float scale, 
                          query_start, num_seqs, out, num_threads);
 }
 
-// Greedy drafting (draft_greedy above) from a prepared first pass; budgets [num_seqs] (each at least
-// 1 and at most max_budget), drafts [num_seqs, max_budget], num_drafts [num_seqs].
+// Greedy drafting (draft_greedy above) from a prepared first pass; lm_head [dims[0] >= vocab, hidden],
+// budgets [num_seqs] (each at least 1 and at most max_budget), drafts [num_seqs, max_budget],
+// num_drafts [num_seqs].
 int nanoserve_draft_greedy_f32(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                               const float* embed, const float* final_norm, const float* lm_head,
+                               const float* embed, const float* final_norm, const float* lm_head, int64_t vocab,
                                const float* cos_table, const float* sin_table, int64_t table_len, float* kv_cache,
                                int64_t num_blocks, int64_t block_size, const int64_t* ids, const int64_t* positions,
                                int64_t n, const int64_t* slot_mapping, const int64_t* block_tables,
                                int64_t table_stride, const int64_t* seq_lens, const int64_t* query_start,
                                int64_t num_seqs, const int64_t* budgets, int64_t max_budget, float min_confidence,
                                int64_t* drafts, int64_t* num_drafts, int num_threads) {
-  return draft_greedy(dims, eps, scale, layers, embed, final_norm, lm_head, cos_table, sin_table, table_len, kv_cache,
-                      num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride, seq_lens,
-                      query_start, num_seqs, budgets, max_budget, min_confidence, drafts, num_drafts, num_threads);
+  return draft_greedy(dims, eps, scale, layers, embed, final_norm, lm_head, vocab, cos_table, sin_table, table_len,
+                      kv_cache, num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride,
+                      seq_lens, query_start, num_seqs, budgets, max_budget, min_confidence, drafts, num_drafts,
+                      num_threads);
 }
 int nanoserve_draft_greedy_bf16(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
                                 const uint16_t* embed, const uint16_t* final_norm, const uint16_t* lm_head,
-                                const uint16_t* cos_table, const uint16_t* sin_table, int64_t table_len,
+                                int64_t vocab, const uint16_t* cos_table, const uint16_t* sin_table, int64_t table_len,
                                 uint16_t* kv_cache, int64_t num_blocks, int64_t block_size, const int64_t* ids,
                                 const int64_t* positions, int64_t n, const int64_t* slot_mapping,
                                 const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
                                 const int64_t* query_start, int64_t num_seqs, const int64_t* budgets,
                                 int64_t max_budget, float min_confidence, int64_t* drafts, int64_t* num_drafts,
                                 int num_threads) {
-  return draft_greedy(dims, eps, scale, layers, embed, final_norm, lm_head, cos_table, sin_table, table_len, kv_cache,
-                      num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride, seq_lens,
-                      query_start, num_seqs, budgets, max_budget, min_confidence, drafts, num_drafts, num_threads);
+  return draft_greedy(dims, eps, scale, layers, embed, final_norm, lm_head, vocab, cos_table, sin_table, table_len,
+                      kv_cache, num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride,
+                      seq_lens, query_start, num_seqs, budgets, max_budget, min_confidence, drafts, num_drafts,
+                      num_threads);
 }
 
 }  // extern "C"

@@ -108,7 +108,7 @@ class ModelRunner:
             return None
         meta, input_ids, positions, _, seqs, _ = self._prepare(plan)
         drafts = self.native.draft_greedy(input_ids, positions, self.kv_cache, meta, [budgets[s] for s in seqs],
-                                          min_confidence)
+                                          min_confidence, self.vocab_size)
         return dict(zip(seqs, drafts, strict=True))
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -66,7 +66,7 @@ class NativeDecoder:
         fn.restype = ctypes.c_int
         self._forward = fn
         draft = getattr(ops.lib, f"nanoserve_draft_greedy_{DTYPE_SUFFIX[self.dtype]}")
-        draft.argtypes = [*fn.argtypes[:6], ptr, *fn.argtypes[6:-2], ptr, i64, f32, ptr, ptr, ctypes.c_int]
+        draft.argtypes = [*fn.argtypes[:6], ptr, i64, *fn.argtypes[6:-2], ptr, i64, f32, ptr, ptr, ctypes.c_int]
         draft.restype = ctypes.c_int
         self._draft_greedy = draft
 
@@ -107,12 +107,14 @@ class NativeDecoder:
         return out
 
     def draft_greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                     meta: AttentionMetadata, budgets: list[int], min_confidence: float) -> list[list[int]]:
+                     meta: AttentionMetadata, budgets: list[int], min_confidence: float,
+                     vocab_size: int) -> list[list[int]]:
         """Greedy drafts for the sequences of a prepared step (each sequence's tokens not yet
         computed; `budgets` in the step's sequence order, each at least 1), in one call: the pass
-        over the step, the LM head and argmax on each sequence's last token, then one single-token
-        pass per further draft for the sequences that have budget left and whose last draft had at
-        least `min_confidence` probability (0: always). The K/V of every draft but each sequence's
+        over the step, the LM head and the argmax over the first `vocab_size` tokens (those the
+        engine samples from) at each sequence's last token, then one single-token pass per further
+        draft for the sequences that have budget left and whose last draft had at least
+        `min_confidence` probability (0: always). The K/V of every draft but each sequence's
         last is written at the positions after its tokens, so the block tables must cover them. The
         drafts are those of the Python loop over `__call__` and `CausalLM.compute_logits`, up to the
         confidence compared in another exp (a draft at the threshold may stop on one side only)."""
@@ -126,7 +128,8 @@ class NativeDecoder:
         counts = torch.empty(len(budgets), dtype=torch.int64)
         ran = self._draft_greedy(
             self.dims.data_ptr(), self.eps, self.scale, self.layers, self.model.embed_tokens.data_ptr(),
-            self.model.norm.weight.data_ptr(), head.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            self.model.norm.weight.data_ptr(), head.data_ptr(), min(vocab_size, head.shape[0]), cos.data_ptr(),
+            sin.data_ptr(), cos.shape[0],
             kv_cache.data_ptr(), num_blocks, block_size, input_ids.data_ptr(), positions.data_ptr(),
             input_ids.shape[0], meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.shape[1], meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.num_seqs,
