@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from nanoserve.attention import CpuPagedAttention, TorchAttention
 from nanoserve.attention.cpu_paged import load_paged_attention
@@ -180,6 +181,36 @@ def test_engine_runners_use_it(demo_dir, monkeypatch):
     assert generate() == native and not calls
 
 
+Proposals = list[list[tuple[str, int, list[int]]]]  # per proposal: (request id, budget, drafts) per sequence
+QUESTIONS = ("What is the capital of France?", "Count from one to ten.", "Tell me a short story about a cat.")
+GREEDY = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 25, 33)]
+
+
+def _speculate(args: EngineArgs, native: bool) -> tuple[Proposals, dict[str, list[int]], torch.Tensor]:
+    """Greedy generations of three chat prompts at once with speculation: every proposal, the
+    outputs and the draft model's KV pool afterwards; `native=False` drafts pass by pass."""
+    engine = build_engine(args)
+    runner, propose = engine.proposer.runner, engine.proposer.propose
+    assert runner.native is not None
+    if not native:
+        runner.draft_greedy = lambda *a: None
+    proposals: Proposals = []
+
+    def recorded(requests, budgets):
+        out = propose(requests, budgets)
+        proposals.append([(r.request_id, k, p.tokens) for r, k, p in zip(requests, budgets, out, strict=True)])
+        return out
+
+    engine.proposer.propose = recorded
+    for i, (question, p) in enumerate(zip(QUESTIONS, GREEDY, strict=True)):
+        engine.add_request(f"r{i}", engine.tokenizer.encode_chat([{"role": "user", "content": question}]), p)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for d in engine.step():
+            outputs.setdefault(d.request_id, []).extend(d.token_ids)
+    return proposals, outputs, runner.kv_cache
+
+
 @pytest.mark.parametrize("min_confidence", [0.0, 0.4])
 @pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
 def test_native_greedy_drafting_is_the_pass_by_pass_loop(demo_dir, draft_dtype, min_confidence):
@@ -190,33 +221,27 @@ def test_native_greedy_drafting_is_the_pass_by_pass_loop(demo_dir, draft_dtype, 
     args = EngineArgs(model=str(demo_dir), speculative_model=str(demo_draft_path(demo_dir.parent)),
                       num_speculative_tokens=4, speculative_dtype=draft_dtype,
                       speculative_min_confidence=min_confidence, max_model_len=256, num_kv_blocks=64)
-    questions = ("What is the capital of France?", "Count from one to ten.", "Tell me a short story about a cat.")
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 25, 33)]
-
-    def generate(native: bool) -> tuple[list[list[tuple[str, int, list[int]]]], dict[str, list[int]], torch.Tensor]:
-        engine = build_engine(args)
-        runner, propose = engine.proposer.runner, engine.proposer.propose
-        assert runner.native is not None
-        if not native:
-            runner.draft_greedy = lambda *a: None
-        proposals = []
-
-        def recorded(requests, budgets):
-            out = propose(requests, budgets)
-            proposals.append([(r.request_id, k, p.tokens) for r, k, p in zip(requests, budgets, out, strict=True)])
-            return out
-
-        engine.proposer.propose = recorded
-        for i, (question, p) in enumerate(zip(questions, params, strict=True)):
-            engine.add_request(f"r{i}", engine.tokenizer.encode_chat([{"role": "user", "content": question}]), p)
-        outputs: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for d in engine.step():
-                outputs.setdefault(d.request_id, []).extend(d.token_ids)
-        return proposals, outputs, runner.kv_cache
-
-    proposals, outputs, kv = generate(native=True)
-    loop_proposals, loop_outputs, loop_kv = generate(native=False)
+    proposals, outputs, kv = _speculate(args, native=True)
+    loop_proposals, loop_outputs, loop_kv = _speculate(args, native=False)
     assert proposals == loop_proposals and outputs == loop_outputs and torch.equal(kv, loop_kv)
     short = [len(t) < k for step in proposals for _, k, t in step]  # stopped on low confidence
     assert any(short) == (min_confidence > 0)
+
+
+def test_native_greedy_drafting_skips_the_padding_rows_of_the_head(make_checkpoint, demo_dir, tmp_path):
+    """A checkpoint whose LM head has rows past the tokenizer's vocabulary (padding), here made the
+    largest logits: native drafts, like the pass-by-pass loop's, come from the vocabulary only."""
+    vocab = len(load_model(demo_dir).tokenizer.backend.get_vocab())
+    source = make_checkpoint("qwen3", hidden_size=128, vocab_size=vocab + 61)  # head size 32: the kernel's
+    padded = tmp_path / "padded"
+    shutil.copytree(source, padded)
+    weights = load_file(padded / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            weights[name][vocab:] *= 50
+    save_file(weights, padded / "model.safetensors", metadata={"format": "pt"})
+    args = EngineArgs(model=str(padded), speculative_model=str(padded), speculative_min_confidence=0,
+                      max_model_len=256, num_kv_blocks=64)
+    proposals, outputs, _ = _speculate(args, native=True)
+    assert (proposals, outputs) == _speculate(args, native=False)[:2]
+    assert max(t for step in proposals for _, _, drafts in step for t in drafts) < vocab
