@@ -81,8 +81,10 @@ def test_linear(ops, any_rows, m, n, k, bias):
 def test_linear_leaves_large_fp32_or_odd_inputs_to_torch(ops):
     x, w = _randn(SMALL_M + 1, 64, seed=23), _randn(32, 64, seed=24)
     assert torch.equal(ops.linear(x, w), F.linear(x, w))  # MKL's GEMM, bit for bit
-    if ops.max_rows[torch.bfloat16] is not None:  # a CPU with AVX512-BF16: torch's native bf16 GEMM
-        assert torch.equal(ops.linear(x.bfloat16(), w.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+    bf16_rows = ops.max_rows[torch.bfloat16]
+    if bf16_rows is not None:  # a library with native bf16 products: beyond, torch's native bf16 GEMM
+        xb = _randn(bf16_rows + 1, 64, seed=26).bfloat16()
+        assert torch.equal(ops.linear(xb, w.bfloat16()), F.linear(xb, w.bfloat16()))
     w_t = _randn(64, 32, seed=25).t()  # a transposed view: not contiguous
     assert torch.equal(ops.linear(x[:4], w_t), F.linear(x[:4], w_t))
     assert torch.equal(ops.linear(x[:4].half(), w.half()), F.linear(x[:4].half(), w.half()))

@@ -23,8 +23,7 @@ from nanoserve.engine.llm import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model import load_model
 from nanoserve.model.demo import demo_draft_path
-from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps, TorchLayerOps
-from nanoserve.model.loader import cpu_has_fast_bf16
+from nanoserve.model.layer_ops import NATIVE_BF16_M, SMALL_M, CpuLayerOps, TorchLayerOps
 from nanoserve.model.native_decoder import NativeDecoder
 from nanoserve.native import load_cpu_kernels
 
@@ -104,14 +103,17 @@ def test_same_bits_as_the_python_forward(make_checkpoint, kernels, family, dtype
 
 def test_takes_what_runs_in_cpp_anyway(make_checkpoint, kernels):
     """fp32 steps of up to SMALL_M tokens (beyond, CpuLayerOps.linear hands fp32 to MKL); bf16 of up
-    to SMALL_M where the CPU has AVX512-BF16 (beyond, to torch's native bf16 GEMM), else of any size."""
+    to NATIVE_BF16_M where the library multiplies bf16 natively (beyond, to torch's native bf16
+    GEMM), else of any size."""
     ops, backend = kernels
     fp32 = NativeDecoder.build(_model(make_checkpoint, "qwen3", torch.float32, ops).model, backend)
     bf16 = NativeDecoder.build(_model(make_checkpoint, "qwen3", torch.bfloat16, ops).model, backend)
     assert fp32 is not None and bf16 is not None
     assert fp32.fits(SMALL_M) and not fp32.fits(SMALL_M + 1)
-    assert ops.max_rows[torch.bfloat16] == (SMALL_M if cpu_has_fast_bf16() else None)
-    assert bf16.fits(SMALL_M) and bf16.fits(4096) == (not cpu_has_fast_bf16())
+    if ops.lib.nanoserve_linear_bf16_native():
+        assert bf16.fits(NATIVE_BF16_M) and not bf16.fits(NATIVE_BF16_M + 1)
+    else:
+        assert bf16.fits(4096)
 
 
 def test_built_only_on_the_cpp_path(make_checkpoint, kernels):

@@ -170,7 +170,8 @@ float softmax_denominator(const T* row, int64_t vocab, float top) {
 // as floats (the first on ties, as torch's argmax), and a sequence goes on while it has budget left
 // and the draft model gave its draft at least `min_confidence` probability (softmax at temperature
 // 1). A later pass feeds each sequence its last draft at the position after its last token, into
-// the slot its block table holds for that position. Output: drafts [num_seqs, max_budget] and
+// the slot its block table holds for that position: the caller must have allocated blocks for every
+// position fed (a padding entry of a shorter table is not told apart from block 0). Output: drafts [num_seqs, max_budget] and
 // num_drafts [num_seqs] (each at least 1). Returns 1, or what decoder_forward refused, or 0 for a
 // position past a sequence's block table.
 template <typename T>

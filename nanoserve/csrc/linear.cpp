@@ -22,7 +22,7 @@
 // by two, into 16 fp32 accumulators; no widening, and twice the multiply-adds of an fp32 FMA per
 // instruction (measured on a Zen 4 core: the demo model's products 3.4x faster for one row, 3.5x for
 // five). Its results differ from the widening loop's only in the order of the fp32 additions (and in
-// flushing subnormal inputs to zero, as the instruction does).
+// flushing subnormal inputs and results to zero, as the instruction does).
 //
 // Layouts (all contiguous): x [M, K], w [N, K], bias [N] or null, out [M, N].
 
@@ -142,10 +142,12 @@ inline void dot(const X* x, const T* w, int64_t K, float (*res)[8]) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<X, uint16_t>) {
     dot_block_bf16<NW, MX>(x, w, K, res);
-    return;
-  }
+  } else
 #endif
-  if constexpr (std::is_same_v<X, float>) dot_block<T, NW, MX>(x, w, K, res);
+  {
+    static_assert(std::is_same_v<X, float>, "bf16 x only on the vdpbf16ps path");
+    dot_block<T, NW, MX>(x, w, K, res);
+  }
 }
 
 // Output columns [n0, n0 + NW) for every row of x, kRowsX rows of x at a time (W's NW rows stay in
@@ -203,7 +205,7 @@ void products(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t
       else
         column_range<X, T, dp ? 4 : 2>(xb, w, bias, ob, mb, N, K, begin, end);
     };
-    if (num_threads == 1 || mb * N * K < kParallelWork) {  // no OpenMP region: ~1 us a call saved
+    if (num_threads <= 1 || mb * N * K < kParallelWork) {  // no OpenMP region: ~1 us a call saved
       task_range(0, N);
       continue;
     }

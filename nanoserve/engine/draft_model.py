@@ -5,7 +5,8 @@ The draft keeps its own paged KV (its own pool and a block table per sequence) a
 not computed (the whole prompt the first time; afterwards the target's last accepted tokens), then
 runs one single-token step per further draft, all sequences batched in each pass; where every
 sequence drafts greedily and the draft runs on nanoserve's CPU kernels, those passes are one native
-call (`ModelRunner.draft_greedy`), which proposes the same drafts. Drafts are drawn
+call (`ModelRunner.draft_greedy`), which proposes the same drafts (but for a draft whose
+probability sits at the confidence threshold to float rounding). Drafts are drawn
 from the draft's own sampling distribution q (same parameters as the request), and q is returned
 so the target can verify by rejection sampling; greedy requests draft the draft's argmax (q is a
 point mass, returned as None).

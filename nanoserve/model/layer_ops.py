@@ -71,10 +71,12 @@ class TorchLayerOps:
 
 
 # CpuLayerOps.linear's C++ product takes fp32 inputs of up to SMALL_M rows (MKL's GEMM is faster
-# beyond), and bf16 inputs of up to SMALL_M rows where the CPU has AVX512-BF16 (torch's oneDNN GEMM
-# then multiplies bf16 natively too, and is 1.3-2x faster from 64 rows up) or of any number where it
-# has not (torch's bf16 GEMM is then emulated and 4x slower at 200 rows).
+# beyond), and bf16 inputs of up to NATIVE_BF16_M rows where the library multiplies bf16 natively
+# (AVX512-BF16; torch's oneDNN GEMM then does too, and on the demo model's layers is as fast at ~24
+# rows and 1.36x faster at 64, but up to ~32 rows a step through NativeDecoder saves more than that)
+# or of any number where it does not (torch's bf16 GEMM is then emulated and 4x slower at 200 rows).
 SMALL_M = 16
+NATIVE_BF16_M = 32
 
 
 class CpuLayerOps:
@@ -89,7 +91,7 @@ class CpuLayerOps:
         self.lib = lib
         # The most rows of x each dtype's products take here (None: any); F.linear takes the rest.
         self.max_rows: dict[torch.dtype, int | None] = {
-            torch.float32: SMALL_M, torch.bfloat16: SMALL_M if lib.nanoserve_linear_bf16_native() else None}
+            torch.float32: SMALL_M, torch.bfloat16: NATIVE_BF16_M if lib.nanoserve_linear_bf16_native() else None}
         i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._linear, self._norm, self._rope, self._silu = {}, {}, {}, {}
         for dtype, suffix in DTYPE_SUFFIX.items():

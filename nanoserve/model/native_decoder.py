@@ -8,8 +8,8 @@ arguments and thread count, from C++: its hidden states are bit for bit those of
 with those backends.
 
 It takes a step when all of that step's products would go to `linear.cpp` anyway: steps of at most
-`CpuLayerOps.max_rows[dtype]` tokens (`SMALL_M` for fp32, and for bf16 on CPUs with AVX512-BF16;
-any number for bf16 elsewhere); beyond, `CpuLayerOps.linear` hands the products to torch's GEMM,
+`CpuLayerOps.max_rows[dtype]` tokens (`SMALL_M` for fp32, `NATIVE_BF16_M` for bf16 on CPUs with
+AVX512-BF16, any number for bf16 elsewhere); beyond, `CpuLayerOps.linear` hands the products to torch's GEMM,
 which the C++ path does not reproduce. The model runner asks `fits` before each step.
 
 Invariant: the model's parameters stay where they were when the decoder was built (loaders fill
@@ -116,9 +116,13 @@ class NativeDecoder:
         draft for the sequences that have budget left and whose last draft had at least
         `min_confidence` probability (0: always). The K/V of every draft but each sequence's
         last is written at the positions after its tokens, so the block tables must cover them. The
-        drafts are those of the Python loop over `__call__` and `CausalLM.compute_logits`, up to the
-        confidence compared in another exp (a draft at the threshold may stop on one side only)."""
+        drafts are those of the Python loop over `__call__` and `CausalLM.compute_logits`, except
+        that the confidence is computed with another exp (a draft whose probability sits at the
+        threshold, to float rounding, may stop drafting on one path only) and that a NaN logit is
+        never the argmax here."""
         self._check(input_ids, positions, kv_cache, meta)
+        if len(budgets) != meta.num_seqs or min(budgets, default=0) < 1:
+            raise ValueError("draft_greedy takes a budget of at least 1 for each sequence of the step")
         _, _, num_blocks, block_size, _, _ = kv_cache.shape
         max_budget = max(budgets)
         cos, sin = self.model.rope_tables(max(meta.seq_lens_cpu) + max_budget, self.dtype)
