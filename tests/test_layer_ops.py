@@ -9,7 +9,10 @@ these tests skip, and only then, since selection falls back to torch there."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from nanoserve.model.config import RopeScaling
 from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps, TorchLayerOps, select_layer_ops
 from nanoserve.model.layers import rope_cos_sin, rope_inv_freq
-from nanoserve.native import load_cpu_kernels
+from nanoserve.native import CSRC, FLAGS, load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 
@@ -76,6 +79,26 @@ def test_linear(ops, any_rows, m, n, k, bias):
     got = any_rows.linear(xb, wb, bb)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=2**-8)
+
+
+def test_the_widening_bf16_loop_too(ops, tmp_path):
+    """Where the library multiplies bf16 natively (vdpbf16ps), the widening loop that other CPUs take
+    is built too (linear.cpp with -mno-avx512bf16) and checked as `test_linear` checks the other."""
+    if not ops.lib.nanoserve_linear_bf16_native():
+        pytest.skip("this CPU's build is the widening loop, which test_linear checks")
+    path = tmp_path / "widening.so"
+    subprocess.run([os.environ.get("CXX", "g++"), *FLAGS, "-mno-avx512bf16", str(CSRC / "linear.cpp"), "-o", str(path)],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(path))
+    assert lib.nanoserve_linear_bf16_native() == 0
+    for m, n, k in [(1, 7, 100), (5, 130, 256), (130, 9, 64)]:
+        x, w = _randn(m, k, seed=30).bfloat16(), _randn(n, k, seed=31).bfloat16()
+        b = _randn(n, seed=32).bfloat16()
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        lib.nanoserve_linear_bf16(*(ctypes.c_void_p(t.data_ptr()) for t in (x, w, b, out)), ctypes.c_int64(m),
+                                  ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int(1))
+        exact = F.linear(x.double(), w.double(), b.double())
+        torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=2**-8)
 
 
 def test_linear_leaves_large_fp32_or_odd_inputs_to_torch(ops):
