@@ -46,6 +46,7 @@ constexpr int kRowsX = 4;                  // rows of x per pass over K, at most
 constexpr int64_t kRowsPerBlock = 64;      // rows of x per pass over all of W
 constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work item
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
+constexpr int64_t kRowStreamK = 1024;      // vdpbf16ps, one row of x: from this K, W a row at a time
 
 // res[m][j] = xf[m] . w[j] for m < MX, j < NW: NW rows of W (stride K) against MX rows of xf
 // (stride K), with U vector accumulators per (m, j) over interleaved stretches of K, so that at
@@ -98,20 +99,43 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+// One row of x against one row of W with vdpbf16ps, over four accumulators (interleaved stretches of
+// 32 values) so that four chains are in flight. A single row of x takes W one row at a time: W then
+// streams as one sequential run, which the hardware prefetcher follows best (on one Zen 4 core, a W
+// beyond the caches streams at 18-23 GB/s this way against ~14 with eight rows read side by side, and
+// a W in cache at 73-87 against 61-74; software prefetches made both slower).
+inline float dot_row_bf16(const uint16_t* x, const uint16_t* w, int64_t K) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128)
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(x + k + 32 * u),
+                                (__m512bh)_mm512_loadu_si512(w + k + 32 * u));
+  for (; k + 32 <= K; k += 32)
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
+  if (k < K) {
+    const __mmask32 mask = (__mmask32{1} << (K - k)) - 1;
+    acc[1] = _mm512_dpbf16_ps(acc[1], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k),
+                              (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k));
+  }
+  const __m128 sums = hsum4(acc[0], acc[1], acc[2], acc[3]);
+  return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+}
+
 // dot_block for bf16 x (stride K) against bf16 W with vdpbf16ps: one zmm accumulator per (m, j),
-// 32 values of K per instruction (K's last partial stretch through masked loads, which read zeros);
-// for one row of x, which streams W, the next NW rows of W prefetched a cache line (32 values) per step.
+// 32 values of K per instruction (K's last partial stretch through masked loads, which read zeros).
 template <int NW, int MX>
 inline void dot_block_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float (*res)[8]) {
+  if constexpr (NW == 1 && MX == 1) {
+    res[0][0] = dot_row_bf16(x, w, K);
+    return;
+  }
   __m512 acc[MX][NW];
   for (int m = 0; m < MX; ++m)
     for (int j = 0; j < NW; ++j) acc[m][j] = _mm512_setzero_ps();
   const auto step = [&](int64_t k, auto load) {
     __m512i wv[NW];
-    for (int j = 0; j < NW; ++j) {
-      if constexpr (MX == 1) __builtin_prefetch(w + (j + NW) * K + k, 0, 0);  // several rows: ~5% slower with it
-      wv[j] = load(w + j * K + k);
-    }
+    for (int j = 0; j < NW; ++j) wv[j] = load(w + j * K + k);
     for (int m = 0; m < MX; ++m) {
       const __m512bh xv = (__m512bh)load(x + m * K + k);
       for (int j = 0; j < NW; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, (__m512bh)wv[j]);
@@ -181,8 +205,10 @@ void columns(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t 
 // One row of x streams W four rows at a time (each over two interleaved stretches of K: eight FMA
 // chains, four memory streams; eight streams measured ~8% slower on bf16 weights beyond L3); more
 // rows of x take W two rows at a time against up to four of theirs, so that each W vector loaded
-// (and, for bf16, widened) feeds four FMAs. On the vdpbf16ps path, one row of x takes W eight rows at
-// a time and more rows four (sixteen accumulators).
+// (and, for bf16, widened) feeds four FMAs. On the vdpbf16ps path, one row of x takes W one row at a
+// time (dot_row_bf16) where rows are long, else eight rows at a time (short rows: a reduction per row
+// would cost as much as the row), and more rows of x take W four rows at a time (sixteen or twenty
+// accumulators).
 template <typename X, typename T, int NW>
 void column_range(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
                   int64_t begin, int64_t end) {
@@ -200,7 +226,9 @@ void products(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t
     const X* xb = xf + m0 * K;
     T* ob = out + m0 * N;
     const auto task_range = [&](int64_t begin, int64_t end) {
-      if (mb == 1)
+      if (mb == 1 && dp && K >= kRowStreamK)
+        column_range<X, T, 1>(xb, w, bias, ob, mb, N, K, begin, end);
+      else if (mb == 1)
         column_range<X, T, dp ? 8 : 4>(xb, w, bias, ob, mb, N, K, begin, end);
       else
         column_range<X, T, dp ? 4 : 2>(xb, w, bias, ob, mb, N, K, begin, end);
