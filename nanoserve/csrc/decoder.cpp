@@ -171,9 +171,9 @@ float softmax_denominator(const T* row, int64_t vocab, float top) {
 // and the draft model gave its draft at least `min_confidence` probability (softmax at temperature
 // 1). A later pass feeds each sequence its last draft at the position after its last token, into
 // the slot its block table holds for that position: the caller must have allocated blocks for every
-// position fed (a padding entry of a shorter table is not told apart from block 0). Output: drafts [num_seqs, max_budget] and
-// num_drafts [num_seqs] (each at least 1). Returns 1, or what decoder_forward refused, or 0 for a
-// position past a sequence's block table.
+// position fed (a padding entry of a shorter table is not told apart from block 0). Output: drafts
+// [num_seqs, max_budget] and num_drafts [num_seqs] (each at least 1). Returns 1, or what
+// decoder_forward refused, or 0 for a position past a sequence's block table.
 template <typename T>
 int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights* layers, const T* embed,
                  const T* final_norm, const T* lm_head, int64_t vocab, const T* cos_table, const T* sin_table,

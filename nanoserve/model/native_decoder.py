@@ -84,8 +84,7 @@ class NativeDecoder:
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs here (see the module docstring)."""
-        limit = self.max_rows
-        return limit is None or num_tokens <= limit
+        return self.max_rows is None or num_tokens <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
