@@ -9,7 +9,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.model import load_model
 
 from conftest import FAMILIES

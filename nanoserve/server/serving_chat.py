@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.engine.llm_engine import SequenceDelta
+from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
