@@ -38,7 +38,7 @@ from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.stand_in import stand_in_engine
-from nanoserve.model import load_model
+from nanoserve.model import CausalLM, load_model
 from nanoserve.model.loader import resolve_source
 
 COMPARISONS = ("sequential", "contiguous")
@@ -363,6 +363,7 @@ def run_throughput(cfg: ThroughputConfig) -> ThroughputReport:
         report.runs += peers
         report.num_peers = len(peers)
     if cfg.roofline and not cfg.stand_in:
+        assert isinstance(model, CausalLM)
         roof = measure_roofline(model.dtype, model.cfg.hidden_size, device=engine.device)
         report.roofline = RooflineReport.of(roof, model.cfg, model.dtype)
     if cfg.profile_steps:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.builder import build_engine
@@ -33,9 +33,8 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Completes every prompt (a string or a list of token ids); results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        batch: list[str | Sequence[int]] = list(prompts)  # type: ignore[arg-type]
+        single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        batch = cast(list[str | Sequence[int]], [prompts] if single else list(prompts))
         params = self._params(sampling_params, len(batch))
         requests = []
         for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):

@@ -150,7 +150,8 @@ async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int
             for d in deltas:
                 usage.add(d)
                 logprobs = chat_logprobs(tok, d) if d.logprobs is not None else None
-                text, calls = d.text, []
+                text = d.text
+                calls: list[ToolCall] = []
                 if parsers is not None:
                     text, calls = parsers[d.index].push(d.text)
                     if d.finished:

@@ -20,7 +20,6 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
 from nanoserve.server.engine_core import EngineInfo
-from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.serving import (
     ChoiceOutput,
