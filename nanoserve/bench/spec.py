@@ -8,8 +8,8 @@ Workloads:
 
 The plain and the speculative engine run the same requests interleaved, a step of one then a step
 of the other, each step timed: on a shared machine the speed of one core moves by tens of percent
-from one second to the next (measured here: 340-620 tok/s over 20 runs of the same 128-token
-decode), and run one after the other, the two engines would meet different moments of it.
+from one second to the next, and run one after the other, the two engines would meet different
+moments of it.
 
 Reported per batch size: output tok/s without and with speculation (medians over rounds), the
 speed-up (the median, and the range, of each round's ratio), the draft acceptance rate and the
