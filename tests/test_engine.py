@@ -9,7 +9,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.model import load_model
 
 from conftest import FAMILIES
@@ -190,3 +190,50 @@ def test_validation_errors(references):
         engine.add_request("y", [], GREEDY)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_a_draft_with_a_shorter_context_caps_max_model_len(demo_dir, tmp_path, caplog):
+    """The builder caps max_model_len by the draft model's context as well as the target's: every
+    sequence is drafted for up to its last token."""
+    import json
+    import shutil
+
+    from nanoserve.model.demo import demo_draft_path
+
+    draft = tmp_path / "short-draft"
+    shutil.copytree(demo_draft_path(demo_dir.parent), draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["max_position_embeddings"] = 96
+    (draft / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING"):
+        engine = build_engine(EngineArgs(model=str(demo_dir), speculative_model=str(draft), max_model_len=512))
+    assert engine.max_model_len == engine.limits.max_model_len == 96
+    assert "the draft model's context" in caplog.text
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=93, ignore_eos=True))
+    tokens = [t for _ in iter(engine.has_unfinished, False) for d in engine.step() for t in d.token_ids]
+    assert len(tokens) == 93 and engine.kv_stats().blocks_used == 0
+    with pytest.raises(ValueError, match="maximum context length is 96"):
+        engine.validate([5, 6, 7], SamplingParams(max_tokens=94))
+
+
+def test_step_reports_each_finished_request_once(demo_dir):
+    """`StepOutput.finished` names a request in the step of its last delta, once, after all its
+    sequences ended; an aborted request is never reported."""
+    engine = build_engine(EngineArgs(model=str(demo_dir), max_model_len=128))
+    engine.add_request("n3", [1, 2, 3], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True))
+    engine.add_request("short", [4, 5], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.add_request("aborted", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    reported: list[str] = []
+    ended: dict[str, int] = {}
+    steps = 0
+    while engine.has_unfinished():
+        out = engine.step()
+        steps += 1
+        if steps == 2:
+            assert engine.abort("aborted")
+        for d in out:
+            ended[d.request_id] = ended.get(d.request_id, 0) + d.finished
+        for rid in out.finished:
+            assert ended[rid] == (3 if rid == "n3" else 1)  # its last sequence ended in this very step
+        reported += out.finished
+    assert sorted(reported) == ["n3", "short"]

@@ -24,13 +24,16 @@ from test_server_helpers import ENGINE_ARGS, SERVED, make_engine, metric_value, 
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model.demo import demo_draft_path
 from nanoserve.server import ServerConfig, build_app
+from nanoserve.server.async_engine import AsyncEngine
 from nanoserve.server.engine_core import (
     AbortRequest,
     AddRequest,
     Command,
+    EngineInfo,
     EngineState,
     Exited,
     Message,
@@ -48,7 +51,7 @@ def engine(demo_dir: Path) -> LLMEngine:
     return make_engine(demo_dir)
 
 
-def _drive(engine: LLMEngine, script: list[list[Command]], stream_interval: int = 1) -> list[Message]:
+def _drive(engine: LLMEngine, script: list[list[Command]]) -> list[Message]:
     """Runs the core on this thread: `receive` hands out the scripted batches of commands one per
     iteration, then nothing while requests are unfinished, then a stop. Returns every message."""
     sent: list[Message] = []
@@ -58,7 +61,7 @@ def _drive(engine: LLMEngine, script: list[list[Command]], stream_interval: int 
             return script.pop(0)
         return [None] if block else []
 
-    run_core(lambda: engine, stream_interval, receive, sent.append)
+    run_core(lambda: engine, receive, sent.append)
     return sent
 
 
@@ -87,16 +90,39 @@ def test_ready_then_one_update_per_iteration_then_exited(engine: LLMEngine) -> N
     assert all(u.applied_adds == 0 and not u.scheduled for u in updates[1:])
     assert _tokens(messages, "a") == expected
     assert updates[-1].deltas[-1].finish_reason == "length"
+    assert [u.finished for u in updates] == [[]] * (len(updates) - 1) + [["a"]]  # the end, reported once
     assert updates[-1].snapshot.num_running == 0 and updates[-1].snapshot.kv.blocks_used == 0
 
 
 def test_stream_interval_merges_steps_but_never_delays_the_first_or_the_last(engine: LLMEngine) -> None:
+    """The core sends every step's deltas; the front end's stream hands its consumer (which keeps
+    up) five steps' worth merged, but the first token and the end at once."""
     prompt = engine.tokenizer.encode("The weather today")
     expected = _reference(engine, prompt, GREEDY)
-    messages = _drive(engine, [[AddRequest("a", prompt, GREEDY, 0)]], stream_interval=5)
-    deltas = [d for m in messages if isinstance(m, Update) for d in m.deltas]
-    assert [len(d.token_ids) for d in deltas] == [1, 5, 5, 1]  # first token, two full intervals, the end
-    assert _tokens(messages, "a") == expected and deltas[-1].finished
+
+    async def run() -> tuple[list[Message], list[list[SequenceDelta]]]:
+        front = AsyncEngine(lambda: engine, stream_interval=5)  # never started: the core's messages go in by hand
+        front._on_message(Ready(EngineInfo(engine.tokenizer, engine.limits), engine.snapshot()))
+        stream = front.add([prompt], GREEDY)
+        messages = _drive(engine, [front._receive(False)])
+        got: list[list[SequenceDelta]] = []
+
+        async def consume() -> None:
+            async for deltas in stream:
+                got.append(deltas)
+
+        consumer = asyncio.ensure_future(consume())
+        for message in messages[1:]:
+            front._on_message(message)
+            for _ in range(3):  # the consumer takes whatever is due before the next message
+                await asyncio.sleep(0)
+        await consumer
+        return messages, got
+
+    messages, got = asyncio.run(run())
+    assert len([d for m in messages if isinstance(m, Update) for d in m.deltas]) == len(expected)  # one per step
+    assert [[len(d.token_ids) for d in deltas] for deltas in got] == [[1], [5], [5], [1]]  # first, 2 intervals, end
+    assert [t for deltas in got for d in deltas for t in d.token_ids] == expected and got[-1][-1].finished
 
 
 def test_a_refused_request_fails_alone(engine: LLMEngine) -> None:
@@ -114,6 +140,7 @@ def test_an_abort_ends_a_request_between_steps(engine: LLMEngine) -> None:
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     messages = _drive(engine, [[AddRequest("a", prompt, long, 0)], [], [AbortRequest("a")]])
     assert len(_tokens(messages, "a")) == 2  # two steps ran before the abort
+    assert not any(m.finished for m in messages if isinstance(m, Update))  # an abort is the caller's own news
     last = messages[-2]
     assert isinstance(last, Update) and last.snapshot.num_running == 0 and last.snapshot.kv.blocks_used == 0
 
@@ -162,7 +189,7 @@ def test_a_loader_that_raises_exits_dead_without_ready() -> None:
         raise OSError("no such checkpoint")
 
     sent: list[Message] = []
-    run_core(loader, 1, lambda block: [None], sent.append)
+    run_core(loader, lambda block: [None], sent.append)
     assert sent == [Exited(EngineState.DEAD, "no such checkpoint")]
 
 

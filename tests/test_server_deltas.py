@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nanoserve.engine.llm_engine import SequenceDelta
+from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.server.async_engine import AsyncEngine, EngineError, OutputStream
 from nanoserve.server.deltas import coalesce
 from nanoserve.server.serving import Serving
@@ -47,7 +47,7 @@ def test_coalesce_never_merges_past_a_finish_or_across_logprob_shapes() -> None:
 
 def _stream() -> OutputStream:
     owner = AsyncEngine(lambda: None)  # type: ignore[arg-type,return-value]  # never started
-    return OutputStream(owner, "cmpl-test", ["r"], n=1)
+    return OutputStream(owner, "cmpl-test", ["r"])
 
 
 def test_stream_takes_every_queued_step_at_once() -> None:
@@ -61,6 +61,7 @@ def test_stream_takes_every_queued_step_at_once() -> None:
                 stream._push([_delta("r", 0, 2, "b")])
                 stream._push([_delta("r", 0, 3, "c")])
                 stream._push([_delta("r", 0, 4, "d", "length")])
+                stream._finish("r")  # the engine reports the request's end with its last delta
         return got
 
     got = asyncio.run(run())
@@ -107,6 +108,8 @@ def test_multi_token_sse_chunks_reassemble_the_text(tokenizer: Tokenizer) -> Non
         for i in range(0, len(steps), lag):
             for step in steps[i : i + lag]:
                 stream._push(step)
+                if step[-1].finished:
+                    stream._finish("r")
             payloads.append(await anext(events))  # every delta has logprobs: exactly one chunk each
         payloads += [chunk async for chunk in events]  # the finish chunk, usage, [DONE]
         return [json.loads(p[6:]) for p in payloads if p != b"data: [DONE]\n\n"]

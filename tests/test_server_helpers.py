@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server import ServerConfig, build_app
 from nanoserve.server.launcher import ServerThread

@@ -221,7 +221,7 @@ def run_llama_cpp_batched(gguf: Path, workload: Workload, batch_size: int, threa
     model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
     cp = lc.llama_context_default_params()
     # One KV buffer shared by all sequences (kv_unified): with one stream per sequence (the
-    # default) llama.cpp batched 64 decodes no better than one here (6.8 vs 16.3 tok/s).
+    # default) llama.cpp's batched decodes lose their advantage over one at a time (docs/).
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = longest * min(batch_size, n), budget, 512, batch_size
     cp.n_threads = cp.n_threads_batch = threads
     cp.kv_unified = True

@@ -21,6 +21,7 @@ the batch) and the compute fraction of their prefill.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -85,7 +86,7 @@ def gemm_peak(dtype: torch.dtype, hidden: int, min_time: float, device: torch.de
     best = 0.0
     for m, k, n in shapes:
         x, w = torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)
-        best = max(best, 2 * m * k * n / _best_seconds(lambda x=x, w=w: F.linear(x, w), min_time, device=device))
+        best = max(best, 2 * m * k * n / _best_seconds(functools.partial(F.linear, x, w), min_time, device=device))
     return best
 
 

@@ -127,7 +127,8 @@ def _body(cfg: LoadConfig, model: str, conv: Conversation, turn: int, replies: l
 async def send(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any],
                count: Callable[[str], int]) -> RequestResult:
     """Streams one request and times it; `count` counts tokens when the server sends no usage."""
-    res, pieces, usage = RequestResult(), [], None
+    res, usage = RequestResult(), None
+    pieces: list[str] = []
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", ENDPOINTS[cfg.endpoint], json=body) as r:

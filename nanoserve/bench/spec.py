@@ -8,8 +8,8 @@ Workloads:
 
 The plain and the speculative engine run the same requests interleaved, a step of one then a step
 of the other, each step timed: on a shared machine the speed of one core moves by tens of percent
-from one second to the next (measured here: 340-620 tok/s over 20 runs of the same 128-token
-decode), and run one after the other, the two engines would meet different moments of it.
+from one second to the next, and run one after the other, the two engines would meet different
+moments of it.
 
 Reported per batch size: output tok/s without and with speculation (medians over rounds), the
 speed-up (the median, and the range, of each round's ratio), the draft acceptance rate and the
@@ -26,7 +26,7 @@ from typing import Any
 
 from nanoserve.bench.throughput import format_table
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import SpecStats
@@ -72,7 +72,7 @@ def _interleaved(engines: list[LLMEngine], prompts: list[list[int]], max_tokens:
     while live := [i for i, e in enumerate(engines) if e.has_unfinished()]:
         i = min(live, key=lambda j: tokens[j])
         start = time.perf_counter()
-        tokens[i] += sum(len(d.token_ids) for d in engines[i].step())
+        tokens[i] += sum(len(d.token_ids) for d in engines[i].step().deltas)
         spent[i] += time.perf_counter() - start
     assert all(t == total for t in tokens), "every request runs to max_tokens (ignore_eos)"
     return list(zip(spent, tokens, strict=True))
@@ -92,12 +92,12 @@ def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> l
     base = dataclasses.replace(cfg.args, speculative_method=None, speculative_model=None, enable_prefix_caching=False)
     spec = dataclasses.replace(cfg.args, enable_prefix_caching=False)
     rows = []
-    for bs in cfg.batch_sizes:
-        prompts = [loaded.tokenizer.encode_chat(m) for m in workload_messages(cfg.workload, bs)]
+    for batch in cfg.batch_sizes:
+        prompts = [loaded.tokenizer.encode_chat(m) for m in workload_messages(cfg.workload, batch)]
         rates: dict[bool, list[float]] = {False: [], True: []}
         stats = SpecStats()
         for _ in range(cfg.repeats):
-            engines = [build_engine(dataclasses.replace(a, max_num_seqs=max(bs, 1)), loaded) for a in (base, spec)]
+            engines = [build_engine(dataclasses.replace(a, max_num_seqs=max(batch, 1)), loaded) for a in (base, spec)]
             for engine in engines:
                 _interleaved([engine], prompts[:1], 4)  # warm-up
                 engine.spec_stats = SpecStats()
@@ -106,7 +106,7 @@ def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> l
                 rates[speculating].append(tokens / elapsed)
             stats = engines[1].spec_stats
         ratios = sorted(f / p for p, f in zip(rates[False], rates[True], strict=True))
-        rows.append({"batch": bs, "plain_tok_s": statistics.median(rates[False]),
+        rows.append({"batch": batch, "plain_tok_s": statistics.median(rates[False]),
                      "spec_tok_s": statistics.median(rates[True]), "speedup": statistics.median(ratios),
                      "speedup_range": (ratios[0], ratios[-1]), "plain_runs": rates[False], "spec_runs": rates[True],
                      "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length})

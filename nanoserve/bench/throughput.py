@@ -34,11 +34,11 @@ import torch
 from nanoserve.bench.roofline import RooflineReport, measure_roofline
 from nanoserve.bench.workloads import Workload
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.stand_in import stand_in_engine
-from nanoserve.model import load_model
+from nanoserve.model import CausalLM, load_model
 from nanoserve.model.loader import resolve_source
 
 COMPARISONS = ("sequential", "contiguous")
@@ -120,31 +120,32 @@ def _drain(engine: LLMEngine, stats: RunStats, submitted: dict[str, float]) -> N
     """Steps the engine until it is idle, counting into `stats`; `submitted` holds when each
     request was added, and each finished request's (first token, last token) latencies are
     appended to `stats.latencies`."""
-    sch = engine.scheduler
     first: dict[str, float] = {}
     while engine.has_unfinished():
-        before = len(sch.running)
-        all_decoding = all(r.num_tokens - r.num_computed_tokens == 1 for r in sch.running)
-        prefill_only = not any(r.num_tokens - r.num_computed_tokens == 1 for r in sch.running)
-        pending = [*sch.running, *sch.waiting] if prefill_only else []
-        computed = [r.num_computed_tokens for r in pending]
+        before, decoding = engine.num_running_seqs, engine.num_decoding_seqs()
+        all_decoding, prefill_only = decoding == before, decoding == 0
+        live = engine.sequence_progress() if prefill_only else {}
         start = time.perf_counter()
-        deltas = engine.step()
+        deltas = engine.step().deltas
         now = time.perf_counter()
         seconds = now - start
         finished = sum(d.finished for d in deltas)
         tokens = sum(len(d.token_ids) for d in deltas)
         stats.steps += 1
         stats.output_tokens += tokens
-        stats.peak_running = max(stats.peak_running, len(sch.running) + finished)
+        running_after = engine.num_running_seqs
+        stats.peak_running = max(stats.peak_running, running_after + finished)
         # Admission never happens in a step that preempts, so an unchanged count means neither did.
-        if before and all_decoding and len(deltas) == before == len(sch.running) + finished:
+        if before and all_decoding and len(deltas) == before == running_after + finished:
             stats.decode_steps += 1
             stats.decode_tokens += tokens
             stats.decode_s += seconds
         elif prefill_only:
-            done = zip(pending, computed, strict=True)
-            stats.prefill_tokens += sum(max(0, r.num_computed_tokens - c) for r, c in done)
+            # A sequence gone after the step finished in it, having computed all it had.
+            after = engine.sequence_progress()
+            stats.prefill_tokens += sum(
+                max(0, after[key].num_computed_tokens - p.num_computed_tokens) if key in after
+                else p.num_tokens - p.num_computed_tokens for key, p in live.items())
             stats.prefill_s += seconds
         for d in deltas:
             first.setdefault(d.request_id, now)
@@ -165,12 +166,12 @@ def _submit(engine: LLMEngine, workload: Workload, label: str, indices: range) -
 def _run(engine: LLMEngine, workload: Workload, label: str, batches: list[range]) -> RunStats:
     """Submits each batch of requests once the previous one has finished."""
     stats = RunStats(label, requests=len(workload.prompts), prompt_tokens=sum(map(len, workload.prompts)))
-    preemptions = engine.scheduler.num_preemptions
+    preemptions = engine.num_preemptions
     start, cpu = time.perf_counter(), time.process_time()
     for batch in batches:
         _drain(engine, stats, _submit(engine, workload, label, batch))
     stats.elapsed_s, stats.cpu_s = time.perf_counter() - start, time.process_time() - cpu
-    stats.preemptions = engine.scheduler.num_preemptions - preemptions
+    stats.preemptions = engine.num_preemptions - preemptions
     return stats
 
 
@@ -188,9 +189,8 @@ def profile_steps(engine: LLMEngine, workload: Workload, num_steps: int, row_lim
     """Where step time goes: torch.profiler (CPU, and CUDA on a GPU) over `num_steps` engine steps
     taken once no request waits for admission, so mostly decode; the ops by self time (device time
     on CUDA). The requests are then drained unprofiled."""
-    sch = engine.scheduler
     _submit(engine, workload, "profile", range(len(workload.prompts)))
-    while sch.waiting:
+    while engine.num_waiting:
         engine.step()
     cuda = engine.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -209,7 +209,7 @@ def profile_steps(engine: LLMEngine, workload: Workload, num_steps: int, row_lim
 def warm_up(engine: LLMEngine, seed: int) -> None:
     """Two short requests (up to 16 + 4 tokens), so that first-call costs stay out of the measurement."""
     rng = random.Random(seed ^ 0x5EED)
-    vocab, total = engine.runner.vocab_size, min(20, engine.max_model_len)
+    vocab, total = engine.vocab_size, min(20, engine.max_model_len)
     prompt_len = max(1, total - 4)
     for i in range(2):
         engine.add_request(f"warmup-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
@@ -342,7 +342,7 @@ def run_throughput(cfg: ThroughputConfig) -> ThroughputReport:
     for label, variant in variants:
         engine = make(variant)
         workload = workload or Workload.random(cfg.num_prompts, cfg.input_len_range, cfg.output_len_range,
-                                               engine.runner.vocab_size, args.seed)
+                                               engine.vocab_size, args.seed)
         if not report.config:
             report.config = _describe(cfg, engine)
         warm_up(engine, args.seed)
@@ -352,7 +352,7 @@ def run_throughput(cfg: ThroughputConfig) -> ThroughputReport:
         engine = make(args)
         warm_up(engine, args.seed)
         report.runs.append(run_sequential(engine, workload))
-    model = engine.runner.model
+    model = engine.model
     if cfg.peers:
         from nanoserve.bench.peers import run_peers
 
@@ -363,6 +363,7 @@ def run_throughput(cfg: ThroughputConfig) -> ThroughputReport:
         report.runs += peers
         report.num_peers = len(peers)
     if cfg.roofline and not cfg.stand_in:
+        assert isinstance(model, CausalLM)
         roof = measure_roofline(model.dtype, model.cfg.hidden_size, device=engine.device)
         report.roofline = RooflineReport.of(roof, model.cfg, model.dtype)
     if cfg.profile_steps:
@@ -387,6 +388,6 @@ def _describe(cfg: ThroughputConfig, engine: LLMEngine) -> dict[str, Any]:
         "kv": "paged|contiguous" if cfg.compare == "contiguous" else a.kv,
         "kv_blocks": engine.num_blocks,
         "block_size": a.block_size,
-        "prefix_caching": engine.kv.cache is not None,
+        "prefix_caching": engine.prefix_caching,
         "torch_threads": torch.get_num_threads(),
     }

@@ -269,7 +269,10 @@ def run_serve(ns: argparse.Namespace) -> int:
             runs.append(summary)
             print(f"{label} c={conc or '-'} r={rate:g}: {summary['output_tokens_per_s']:.1f} output tok/s, "
                   f"TTFT p50 {summary['ttft_ms']['p50']:.0f} ms", flush=True)
-    peers = _peer_runs(ns, tok, endpoint, peer_model, points, workloads) if ns.peers else []
+    peers: list[dict[str, Any]] = []
+    if ns.peers:
+        assert peer_model is not None  # refused above
+        peers = _peer_runs(ns, tok, endpoint, peer_model, points, workloads)
     print()
     print(format_summaries(runs, peers))
     roof = _serving_roofline(ns, peer_model, runs + peers) if peer_model and ns.roofline else None

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import httpx
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.server import DEMO_MODEL_NAME, ServerConfig, build_app
 from nanoserve.server.launcher import ServerThread
 

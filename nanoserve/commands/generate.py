@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
 
 
@@ -32,7 +32,7 @@ def run(ns: argparse.Namespace) -> int:
     ids = tok.encode_chat([{"role": "user", "content": ns.prompt}]) if ns.chat else tok.encode(ns.prompt)
     engine.add_request("cli", ids, params)
     while engine.has_unfinished():
-        for delta in engine.step():
+        for delta in engine.step().deltas:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
     sys.stdout.write("\n")

@@ -13,7 +13,7 @@ import uvicorn
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
 from nanoserve.server.engine_core import EngineState

@@ -6,6 +6,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from nanoserve.kv.manager import blocks_needed
+
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 2 << 30
@@ -68,14 +70,21 @@ class EngineArgs:
         """The speculation in effect: a draft model implies 'draft'."""
         return "draft" if self.speculative_model is not None else self.speculative_method
 
-    def resolved(self, model_max_len: int, sliding_window: int | None) -> EngineArgs:
-        """Fills max_model_len from the model. Sliding-window attention is not implemented, so the
-        context is capped at the window, where full attention is exact."""
-        limit = model_max_len if sliding_window is None else min(model_max_len, sliding_window)
+    def resolved(self, model_max_len: int, sliding_window: int | None = None,
+                 draft_max_len: int | None = None) -> EngineArgs:
+        """Fills max_model_len from the model: at most its max_position_embeddings and, with a
+        draft model, the draft's context too (every sequence is drafted for to its end).
+        Sliding-window attention is not implemented, so the context is capped at the window, where
+        full attention is exact."""
+        limits = {"the model's max_position_embeddings": model_max_len}
+        if sliding_window is not None:
+            limits["the model's sliding window"] = sliding_window
+        if draft_max_len is not None:
+            limits["the draft model's context"] = draft_max_len
+        why, limit = min(limits.items(), key=lambda item: item[1])
         length = self.max_model_len or limit
         if length > limit:
-            why = "sliding window" if limit == sliding_window else "max_position_embeddings"
-            log.warning("max_model_len %d exceeds the model's %s (%d); capping", length, why, limit)
+            log.warning("max_model_len %d exceeds %s (%d); capping", length, why, limit)
             length = limit
         return dataclasses.replace(self, max_model_len=length)
 
@@ -95,5 +104,5 @@ class EngineArgs:
         blocks = budget // bytes_per_block
         if blocks < 1:
             raise ValueError(f"{what} ({budget} bytes) is smaller than one KV block ({bytes_per_block} bytes)")
-        need = self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        need = self.max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
         return blocks if self.kv_cache_memory is not None else min(need, blocks)

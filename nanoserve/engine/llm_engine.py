@@ -1,101 +1,41 @@
 """The engine: requests in, one scheduled and batched model step at a time, output deltas out.
 
 `add_request` validates and queues; `step` runs scheduler -> runner -> sampler -> postprocess
-and returns what each sequence produced in that step; `abort` ends a request and frees its
-blocks at once. Single-threaded: the server drives it from one engine thread.
+and returns what each sequence produced in that step and which requests ended in it; `abort`
+ends a request and frees its blocks at once. Single-threaded: the server drives it from one
+engine thread. Built by `nanoserve.engine.builder`, which sizes everything it is given; what
+leaves it is typed in `nanoserve.engine.outputs`, and front ends read its state through the
+read-only accessors below, never through the scheduler or the KV manager.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
-from nanoserve.attention import TritonAttention, select_backend
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
-from nanoserve.engine.output import TextStream
-from nanoserve.engine.request import Request
+from nanoserve.engine.model_runner import Model, ModelRunner
+from nanoserve.engine.outputs import (
+    EngineLimits,
+    EngineSnapshot,
+    KVStats,
+    SequenceDelta,
+    SequenceProgress,
+    StepOutput,
+)
+from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.spec_decode import Proposer, SpecStats
 from nanoserve.kv.manager import KVCacheManager
 from nanoserve.tokenizer import Tokenizer
+from nanoserve.tokenizer.text_stream import TextStream
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SequenceDelta:
-    """What one sequence produced in one step. `text` is final (never revised). The token that
-    ended a sequence by EOS or a stop id is in `token_ids` but not in `text`."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class KVStats(NamedTuple):
-    """Pool occupancy. used: referenced by live sequences; cached: held by the prefix tree (some of
-    them may also be used); free: on the free list. used + free + unpinned cached == total."""
-
-    blocks_total: int
-    blocks_used: int
-    blocks_free: int
-    blocks_cached: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    prefix_evicted_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLimits:
-    """What decides whether a request can ever run, apart from the engine (a front end in another
-    process validates with it before anything is queued). `reserve_blocks`: blocks every sequence
-    takes whatever its length (the contiguous layout), else 0."""
-
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    reserve_blocks: int
-    vocab_size: int
-    detokenizes: bool
-
-    @property
-    def max_tokens_in_pool(self) -> int:
-        """The most tokens one sequence can hold: the context length or the whole pool."""
-        return min(self.max_model_len, self.num_blocks * self.block_size)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError, with the numbers, when a request can never run."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{total} ({len(prompt_ids)} in the prompt + {params.max_tokens} max_tokens)"
-            )
-        blocks = self.reserve_blocks or -(-total // self.block_size)
-        if blocks > self.num_blocks:
-            raise ValueError(f"the request needs {blocks} KV blocks; the pool has {self.num_blocks}")
-        if params.stop and not self.detokenizes:
-            raise ValueError("stop strings need a tokenizer")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 
 
 @dataclass(slots=True)
@@ -111,30 +51,19 @@ class _Group:
     sequences: list[_Sequence] = field(default_factory=list)
 
 
-def use_cuda_graphs(runner: ModelRunner, num_kv_heads: int, args: EngineArgs) -> None:
-    """Captures the runner's decode steps as CUDA graphs on a CUDA device unless `enforce_eager`;
-    they need the Triton attention backend (its fixed-split decode path is graph-safe)."""
-    if runner.device.type != "cuda" or args.enforce_eager:
-        return
-    if not isinstance(runner.backend, TritonAttention):
-        log.info("CUDA graphs need the triton attention backend; decode steps run eagerly")
-        return
-    assert args.max_model_len is not None
-    runner.use_decode_graphs(num_kv_heads, args.max_num_seqs, args.max_model_len)
-
-
 class LLMEngine:
-    def __init__(self, model: Model, tokenizer: Tokenizer | None, kv_shape: KVShape, vocab_size: int,
-                 args: EngineArgs, stop_token_ids: frozenset[int] = frozenset(),
-                 proposer: Proposer | None = None, num_blocks: int | None = None) -> None:
-        """`tokenizer=None` skips detokenization (token ids only; stop strings then unsupported).
-        With a `proposer`, decoding sequences verify up to `args.num_speculative_tokens` drafts a step."""
+    def __init__(self, runner: ModelRunner, num_blocks: int, tokenizer: Tokenizer | None, args: EngineArgs,
+                 proposer: Proposer | None = None) -> None:
+        """`runner`: over a KV pool of `num_blocks` blocks of `args.block_size` tokens; `args`
+        resolved (max_model_len set). `tokenizer=None` skips detokenization (token ids only; stop
+        strings then unsupported). With a `proposer`, decoding sequences verify up to
+        `args.num_speculative_tokens` drafts a step."""
+        if args.max_model_len is None:
+            raise ValueError("the engine takes resolved EngineArgs (max_model_len set)")
         self.args = args
         self.tokenizer = tokenizer
         self.device = torch.device(args.device)
-        self.max_model_len = args.max_model_len
-        if num_blocks is None:
-            num_blocks = args.resolve_num_blocks(kv_shape.bytes_per_block(args.block_size, model.dtype))
+        self.max_model_len: int = args.max_model_len
         self.kv = KVCacheManager(
             num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching and args.kv == "paged",
             reserve_tokens=args.max_model_len if args.kv == "contiguous" else None,
@@ -142,28 +71,85 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy), self.kv
         )
-        self.stop_token_ids = stop_token_ids
-        self.runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids,
-                                  self.device, select_backend(args.attention_backend, self.device))
-        use_cuda_graphs(self.runner, kv_shape.num_kv_heads, args)
-        self.limits = EngineLimits(self.max_model_len, num_blocks, args.block_size, self.kv.reserve_blocks or 0,
-                                   vocab_size, tokenizer is not None)
+        self.runner = runner
+        self.stop_token_ids = runner.stop_token_ids
+        self.limits = EngineLimits(self.max_model_len, num_blocks, args.block_size, self.kv.reserve_blocks,
+                                   runner.vocab_size, tokenizer is not None)
         self.proposer = proposer
         self.num_speculative_tokens = args.num_speculative_tokens
         self.spec_stats = SpecStats()
         self._groups: dict[str, _Group] = {}
         self._arrivals = itertools.count()
+        self._finished: list[str] = []  # requests whose last sequence ended in the current step
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         log.info("KV cache: %d blocks of %d tokens (%s layout, prefix cache %s)", num_blocks, args.block_size,
                  args.kv, "on" if self.kv.cache else "off")
 
+    # ---- read-only accessors: what front ends and benchmarks may know of the engine's state ----
+
     @property
     def num_blocks(self) -> int:
-        return self.kv.pool.num_blocks
+        return self.limits.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def model(self) -> Model:
+        return self.runner.model
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.kv.cache is not None
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted since the engine was built."""
+        return self.scheduler.num_preemptions
+
+    @property
+    def num_running(self) -> int:
+        """Requests any of whose sequences runs."""
+        return len({r.request_id for r in self.scheduler.running})
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests none of whose sequences runs and one of which waits (to be admitted, or again
+        after preemption)."""
+        return len(self._groups) - self.num_running
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
+
+    def started(self, request_id: str) -> bool:
+        """Whether any sequence of the request has been admitted (False once it ended)."""
+        group = self._groups.get(request_id)
+        return group is not None and any(s.request.status is not Status.WAITING for s in group.sequences)
+
+    def kv_stats(self) -> KVStats:
+        return self.kv.snapshot()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state now, for a front end (counters since the engine was built)."""
+        running = self.num_running
+        return EngineSnapshot(running, len(self._groups) - running, self.kv.snapshot(), self.num_prompt_tokens,
+                              self.num_generated_tokens, dataclasses.replace(self.spec_stats))
+
+    @property
+    def num_running_seqs(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_decoding_seqs(self) -> int:
+        """Running sequences whose next step is a decode (one token to compute, drafts aside)."""
+        return sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.scheduler.running)
+
+    def sequence_progress(self) -> dict[tuple[str, int], SequenceProgress]:
+        """Every unfinished sequence's progress, by (request id, index) (benchmarks' accounting;
+        not for the serving path: it walks every sequence)."""
+        return {r.key: SequenceProgress(r.status is Status.RUNNING, r.num_tokens, r.num_computed_tokens)
+                for r in (*self.scheduler.running, *self.scheduler.waiting)}
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError, with the numbers, when a request can never run."""
@@ -200,14 +186,15 @@ class LLMEngine:
                 self.proposer.release(seq.request)
         return True
 
-    def step(self) -> list[SequenceDelta]:
-        """Runs one batched step; returns one delta per sequence that produced tokens or ended."""
+    def step(self) -> StepOutput:
+        """Runs one batched step; returns one delta per sequence that produced tokens or ended,
+        and the requests that ended in it (see `StepOutput`)."""
         plan = self.scheduler.schedule()
         if self.proposer is not None:
             for req in plan.preempted:
                 self.proposer.release(req)
         if not plan.scheduled:
-            return []
+            return StepOutput([])
         result = self.runner.execute(plan)
         rejected = {}
         for req, kept in result.verified:
@@ -228,7 +215,8 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         self.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
-        return deltas
+        finished, self._finished = self._finished, []
+        return StepOutput(deltas, finished)
 
     def _postprocess(self, req: Request, tokens: list[int]) -> SequenceDelta:
         """Appends the step's tokens one by one, stopping at the first that ends the sequence."""
@@ -290,13 +278,4 @@ class LLMEngine:
         group = self._groups[req.request_id]
         if all(s.request.finished for s in group.sequences):
             del self._groups[req.request_id]
-
-    def kv_stats(self) -> KVStats:
-        pool, cache = self.kv.pool, self.kv.cache
-        evictable = cache.evictable_blocks if cache else 0
-        return KVStats(
-            blocks_total=pool.num_blocks, blocks_used=pool.num_blocks - pool.num_free - evictable,
-            blocks_free=pool.num_free, blocks_cached=self.kv.num_cached_blocks,
-            prefix_queried_tokens=self.kv.stats.queried_tokens, prefix_hit_tokens=self.kv.stats.hit_tokens,
-            prefix_evicted_blocks=cache.evictions if cache else 0,
-        )
+            self._finished.append(req.request_id)

@@ -28,6 +28,7 @@ import torch
 
 from nanoserve.attention import AttentionBackend, AttentionMetadata
 from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.builder import engine_from_model
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import KVShape
 from nanoserve.engine.spec_decode import NgramProposer
@@ -101,4 +102,4 @@ def stand_in_engine(vocab_size: int = STAND_IN_VOCAB, **engine_args: Any) -> LLM
     n-gram only (a draft model needs weights)."""
     args = EngineArgs(**engine_args).resolved(STAND_IN_MAX_LEN, None)
     proposer = NgramProposer() if args.spec_method == "ngram" else None
-    return LLMEngine(StandInModel(vocab_size), None, STAND_IN_KV_SHAPE, vocab_size, args, proposer=proposer)
+    return engine_from_model(StandInModel(vocab_size), None, STAND_IN_KV_SHAPE, vocab_size, args, proposer=proposer)

@@ -12,9 +12,30 @@ deepest radix node whose blocks it matched or inserted; `free` returns both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanoserve.kv.block_pool import BlockPool
 from nanoserve.kv.radix_cache import RadixCache, RadixNode
+
+
+def blocks_needed(num_tokens: int, block_size: int, reserve_blocks: int = 0) -> int:
+    """Blocks a sequence of `num_tokens` tokens holds: `reserve_blocks` when the layout reserves a
+    fixed number per sequence (contiguous), else ceil(num_tokens / block_size). The one formula of
+    both the KV manager and request validation, so a request that validates can be allocated."""
+    return reserve_blocks or -(-num_tokens // block_size)
+
+
+class KVStats(NamedTuple):
+    """Pool occupancy. used: referenced by live sequences; cached: held by the prefix tree (some of
+    them may also be used); free: on the free list. used + free + unpinned cached == total."""
+
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prefix_evicted_blocks: int
 
 
 @dataclass(slots=True)
@@ -51,7 +72,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(self.pool, block_size) if enable_prefix_caching else None
-        self.reserve_blocks = None if reserve_tokens is None else -(-reserve_tokens // block_size)
+        self.reserve_blocks = 0 if reserve_tokens is None else blocks_needed(reserve_tokens, block_size)
         self.stats = PrefixCacheStats()
 
     @property
@@ -63,8 +84,16 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return self.cache.total_blocks if self.cache else 0
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return self.reserve_blocks or -(-num_tokens // self.block_size)
+    def snapshot(self) -> KVStats:
+        """The pool's occupancy and the prefix cache's counters now."""
+        pool, cache = self.pool, self.cache
+        evictable = cache.evictable_blocks if cache else 0
+        return KVStats(
+            blocks_total=pool.num_blocks, blocks_used=pool.num_blocks - pool.num_free - evictable,
+            blocks_free=pool.num_free, blocks_cached=self.num_cached_blocks,
+            prefix_queried_tokens=self.stats.queried_tokens, prefix_hit_tokens=self.stats.hit_tokens,
+            prefix_evicted_blocks=cache.evictions if cache else 0,
+        )
 
     def match(self, table: BlockTable, tokens: list[int]) -> int:
         """Points an empty table at the longest cached prefix of `tokens` and returns how many
@@ -87,7 +116,7 @@ class KVCacheManager:
     def allocate(self, table: BlockTable, num_tokens: int) -> bool:
         """Grows the table to hold `num_tokens` tokens, evicting cached blocks if needed. Returns
         False, changing nothing, if the pool cannot supply them."""
-        need = self.blocks_for(num_tokens) - len(table.blocks)
+        need = blocks_needed(num_tokens, self.block_size, self.reserve_blocks) - len(table.blocks)
         if need <= 0:
             return True
         short = need - self.pool.num_free
@@ -101,7 +130,7 @@ class KVCacheManager:
     def trim(self, table: BlockTable, num_tokens: int) -> None:
         """Releases the table's blocks past those `num_tokens` tokens need (lookahead blocks of
         rejected drafts). Never touches cached blocks: they hold computed tokens only."""
-        keep = self.blocks_for(num_tokens)
+        keep = blocks_needed(num_tokens, self.block_size, self.reserve_blocks)
         if len(table.blocks) > keep:
             self.pool.decref(table.blocks[keep:])
             del table.blocks[keep:]
@@ -114,9 +143,8 @@ class KVCacheManager:
         full = num_computed // self.block_size * self.block_size
         if full <= table.num_cached:
             return
-        bs = self.block_size
-        node = self.cache.insert(tokens[table.num_cached : full], table.blocks[table.num_cached // bs : full // bs],
-                                 start=table.node)
+        first, end = table.num_cached // self.block_size, full // self.block_size
+        node = self.cache.insert(tokens[table.num_cached : full], table.blocks[first:end], start=table.node)
         self.cache.lock(node)
         if table.node is not None:
             self.cache.unlock(table.node)

@@ -66,10 +66,10 @@ class RadixCache:
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached block-aligned prefix of `tokens`. Splits an edge that matches only in
         part, so the returned node ends exactly at the match. Touches the path for LRU."""
-        bs, node, blocks, pos = self.block_size, self.root, [], 0
+        size, node, blocks, pos = self.block_size, self.root, [], 0
         now = next(self._clock)
         node.last_access = now
-        while pos + bs <= len(tokens):
+        while pos + size <= len(tokens):
             child = node.children.get(self._first_block(tokens, pos))
             if child is None:
                 break
@@ -78,7 +78,7 @@ class RadixCache:
                 child = self._split(child, n)
             child.last_access = now
             blocks.extend(child.blocks)
-            pos += n * bs
+            pos += n * size
             node = child
         return MatchResult(blocks, node)
 
@@ -88,17 +88,17 @@ class RadixCache:
         node where they end. Blocks of a prefix already cached are not taken: the tree keeps its
         own and the caller keeps its references to its duplicates, so no live request ever points
         at a block the tree frees."""
-        bs = self.block_size
-        assert len(tokens) == len(blocks) * bs, "insert takes whole blocks"
+        size = self.block_size
+        assert len(tokens) == len(blocks) * size, "insert takes whole blocks"
         node, pos = start or self.root, 0
         now = next(self._clock)
         while pos < len(tokens):
             child = node.children.get(self._first_block(tokens, pos))
             if child is None:
-                i = pos // bs
+                i = pos // size
                 new = RadixNode(tuple(tokens[pos:]), list(blocks[i:]), node)
                 new.last_access = now
-                node.children[new.key[:bs]] = new
+                node.children[new.key[:size]] = new
                 self.pool.incref(new.blocks)
                 self.evictable_blocks += len(new.blocks)
                 return new
@@ -106,7 +106,7 @@ class RadixCache:
             if n < len(child.blocks):
                 child = self._split(child, n)
             child.last_access = now
-            pos += n * bs
+            pos += n * size
             node = child
         return node
 
@@ -149,23 +149,23 @@ class RadixCache:
 
     def _common_blocks(self, key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
         """How many whole blocks of `key` equal tokens[pos:]."""
-        bs, n = self.block_size, 0
-        while (n + 1) * bs <= len(key) and pos + (n + 1) * bs <= len(tokens):
-            if key[n * bs : (n + 1) * bs] != tuple(tokens[pos + n * bs : pos + (n + 1) * bs]):
+        size, n = self.block_size, 0
+        while (n + 1) * size <= len(key) and pos + (n + 1) * size <= len(tokens):
+            if key[n * size : (n + 1) * size] != tuple(tokens[pos + n * size : pos + (n + 1) * size]):
                 break
             n += 1
         return n
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cuts `node` after its first n blocks; returns the new upper part."""
-        bs = self.block_size
+        size = self.block_size
         parent = node.parent
         assert parent is not None and 0 < n < len(node.blocks)
-        upper = RadixNode(node.key[: n * bs], node.blocks[:n], parent)
+        upper = RadixNode(node.key[: n * size], node.blocks[:n], parent)
         upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
-        parent.children[upper.key[:bs]] = upper
-        node.key, node.blocks, node.parent = node.key[n * bs :], node.blocks[n:], upper
-        upper.children[node.key[:bs]] = node
+        parent.children[upper.key[:size]] = upper
+        node.key, node.blocks, node.parent = node.key[n * size :], node.blocks[n:], upper
+        upper.children[node.key[:size]] = node
         return upper
 
     def _nodes(self) -> list[RadixNode]:

@@ -11,6 +11,12 @@ no lock, and a handler never blocks on the core.
 Aborts happen between steps: an aborted request's blocks are free after the core's next
 iteration. A core that exits, by a stop, an error or a crashed process, fails every stream still
 open.
+
+Deltas are merged in one layer, here: the core sends every step's deltas as the engine made them,
+and each `OutputStream` holds what arrived for it until its consumer takes it, merging per
+sequence what piled up (`coalesce`). Only this side can merge for a consumer that fell behind, and
+`stream_interval` is then the same mechanism (the consumer is woken every N steps instead of
+every step), so the engine process spends nothing on either.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm_engine import LLMEngine, SequenceDelta
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.outputs import EngineSnapshot, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server.deltas import coalesce
 from nanoserve.server.engine_core import (
@@ -37,7 +44,6 @@ from nanoserve.server.engine_core import (
     AddRequest,
     Command,
     EngineInfo,
-    EngineSnapshot,
     EngineState,
     Exited,
     Message,
@@ -75,8 +81,10 @@ class AsyncEngine:
                  metrics: Metrics | None = None, stream_interval: int = 1,
                  on_load_failure: Callable[[], None] | None = None) -> None:
         """`loader`: run on a thread of this process, or `EngineArgs` to build the engine from in
-        an engine-core process. `stream_interval`: see `EngineCore`. `on_load_failure` is called
-        on the event loop if the model never loads."""
+        an engine-core process. `stream_interval`: a stream's consumer gets its outputs every
+        this many steps (merged per sequence), and always at a request's first output and when
+        a sequence finishes; more than 1 trades inter-token latency for fewer, larger chunks.
+        `on_load_failure` is called on the event loop if the model never loads."""
         if max_queued_requests < 1:
             raise ValueError("max_queued_requests must be at least 1")
         if stream_interval < 1:
@@ -105,7 +113,7 @@ class AsyncEngine:
             self._start_process(self._loader)
         else:
             self._threads = [threading.Thread(target=run_core, name="nanoserve-engine", daemon=True,
-                                              args=(self._loader, self.stream_interval, self._receive, self._post))]
+                                              args=(self._loader, self._receive, self._post))]
             self._threads[0].start()
 
     async def stop(self) -> None:
@@ -132,7 +140,7 @@ class AsyncEngine:
                                  f"(max_queued_requests={self.max_queued_requests})")
         api_id = f"{kind}-{uuid.uuid4().hex}"
         ids = [api_id] if len(prompts) == 1 else [f"{api_id}-{i}" for i in range(len(prompts))]
-        stream = OutputStream(self, api_id, ids, params.n)
+        stream = OutputStream(self, api_id, ids)
         for rid, prompt in zip(ids, prompts, strict=True):
             self._streams[rid] = stream
             self._commands.put(AddRequest(rid, prompt, dataclasses.replace(params), priority))
@@ -171,8 +179,10 @@ class AsyncEngine:
             if (stream := self._streams.get(d.request_id)) is not None:
                 outputs.setdefault(stream, []).append(d)
         for stream, deltas in outputs.items():
-            for rid in stream._push(deltas):
-                del self._streams[rid]
+            stream._push(deltas)
+        for rid in update.finished:
+            if (stream := self._streams.pop(rid, None)) is not None:
+                stream._finish(rid)
 
     def _on_exit(self, exited: Exited) -> None:
         self.state, self.error = exited.state, exited.error
@@ -211,8 +221,7 @@ class AsyncEngine:
         commands_r, commands_w = ctx.Pipe(duplex=False)
         outputs_r, outputs_w = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=run_core_process, name="nanoserve-engine-core", daemon=True,
-                                    args=(args, self.stream_interval, commands_r, outputs_w,
-                                          logging.getLogger().getEffectiveLevel()))
+                                    args=(args, commands_r, outputs_w, logging.getLogger().getEffectiveLevel()))
         self._process.start()
         commands_r.close()  # the core's ends: only the core may hold them, so that either side's
         outputs_w.close()  # exit is the other's end of file
@@ -264,76 +273,97 @@ class AsyncEngine:
 @dataclass(slots=True)
 class _Progress:
     arrival: float
-    remaining: int  # sequences not finished
-    last: float | None = None  # when the previous output arrived
+    last: float | None = None  # when the previous output went to the consumer
     reason: str | None = None  # finish reason of sample 0
 
 
 class OutputStream:
     """The outputs of one API request: one engine request per prompt, each with n sequences.
 
-    Lives on the event loop. Iterating yields, per engine step, the deltas of this request's
-    sequences and ends once every sequence has finished; it raises EngineError if the engine
-    failed the request. A consumer that fell behind by several steps gets them in one list, each
-    sequence's deltas merged into one (`coalesce`): one chunk to write, not one per step.
-    `close()` aborts whatever has not finished and is idempotent: handlers call it whenever they
-    stop listening (client gone, error, shutdown).
+    Lives on the event loop. Iterating yields lists of deltas of this request's sequences, each
+    sequence's deltas since the previous list merged into one (`coalesce`): per engine step, or
+    every `stream_interval` steps (always at a request's first output and when a sequence
+    finishes), and in one list whatever piled up while the consumer was busy: one chunk to write,
+    not one per step. It ends once the engine reported every request finished, and raises
+    EngineError if the engine failed one. `close()` aborts whatever has not finished and is
+    idempotent: handlers call it whenever they stop listening (client gone, error, shutdown).
     """
 
-    def __init__(self, owner: AsyncEngine, api_id: str, request_ids: list[str], n: int) -> None:
+    def __init__(self, owner: AsyncEngine, api_id: str, request_ids: list[str]) -> None:
         self.id = api_id
         self.request_ids = request_ids
         self._owner = owner
         self._metrics = owner.metrics
+        self._interval = owner.stream_interval
         now = time.monotonic()
-        self._open = {rid: _Progress(now, n) for rid in request_ids}  # engine requests not finished
-        self._queue: asyncio.Queue[list[SequenceDelta] | BaseException | None] = asyncio.Queue()
+        self._open = {rid: _Progress(now) for rid in request_ids}  # engine requests not finished
+        self._pending: list[SequenceDelta] = []  # arrived, not yet taken by the consumer
+        self._released = 0  # how many of `_pending` are due to the consumer
+        self._held_steps = 0  # steps whose outputs are pending but not yet due
+        self._end: BaseException | None = None  # the error that ends the stream, once `_closed`
+        self._closed = False
+        self._wake = asyncio.Event()
 
     async def __aiter__(self) -> AsyncIterator[list[SequenceDelta]]:
         while True:
-            items = [await self._queue.get()]
-            while not self._queue.empty():  # a consumer that fell behind takes all that is queued
-                items.append(self._queue.get_nowait())
-            batches = [item for item in items if isinstance(item, list)]
-            if len(batches) == 1:
-                yield batches[0]
-            elif batches:
-                yield coalesce([d for batch in batches for d in batch])
-            end = items[-1]  # None or an error only ever comes last
-            if isinstance(end, BaseException):
-                raise end
-            if end is None:
+            await self._wake.wait()
+            self._wake.clear()
+            closed = self._closed  # once closed, everything pending is due: this takes the last of it
+            due, self._pending = self._pending[: self._released], self._pending[self._released :]
+            self._released = 0
+            if due:
+                yield due if len(due) == 1 else coalesce(due)
+            if closed:
+                if self._end is not None:
+                    raise self._end
                 return
 
     def close(self) -> None:
-        self._end("abort", None)
+        self._stop("abort", None)
 
     def _fail(self, error: BaseException) -> None:
-        self._end("error", error)
+        self._stop("error", error)
 
-    def _end(self, reason: str, error: BaseException | None) -> None:
-        if not self._open:
+    def _stop(self, reason: str, error: BaseException | None) -> None:
+        """Ends the stream early: what arrived is still yielded, then `error` raised (if any)."""
+        if self._closed:
             return
         if self._metrics is not None:
             for _ in self._open:
                 self._metrics.record_finished(reason, None)
         self._owner.abort(list(self._open))
         self._open.clear()
-        self._queue.put_nowait(error)
+        self._end = error
+        self._close()
+
+    def _close(self) -> None:
+        self._closed, self._released = True, len(self._pending)
+        self._wake.set()
 
     def _on_scheduled(self, request_id: str, started: float) -> None:
         progress = self._open.get(request_id)
         if progress is not None and self._metrics is not None:
             self._metrics.queue_time.observe(max(started - progress.arrival, 0.0))
 
-    def _push(self, deltas: list[SequenceDelta]) -> list[str]:
-        """Queues the deltas of requests still open; returns the ids of those that ended."""
-        deltas = [d for d in deltas if d.request_id in self._open]
-        ended: list[str] = []
-        if not deltas:
-            return ended
+    def _push(self, deltas: list[SequenceDelta]) -> None:
+        """Takes one step's deltas of this stream's open requests; wakes the consumer when due."""
+        self._pending += deltas
+        self._held_steps += 1
+        due = self._held_steps >= self._interval
+        for d in deltas:
+            if d.finished:
+                due = True
+                if d.index == 0:
+                    self._open[d.request_id].reason = d.finish_reason
+            elif self._open[d.request_id].last is None:
+                due = True  # a request's first output
+        if due:
+            self._release()
+
+    def _release(self) -> None:
+        """Makes everything pending due to the consumer and wakes it."""
         now = time.monotonic()
-        for rid in dict.fromkeys(d.request_id for d in deltas):
+        for rid in dict.fromkeys(d.request_id for d in self._pending[self._released :]):
             p = self._open[rid]
             if self._metrics is not None:
                 if p.last is None:
@@ -341,18 +371,13 @@ class OutputStream:
                 else:
                     self._metrics.itl.observe(now - p.last)
             p.last = now
-        for d in deltas:
-            if not d.finished:
-                continue
-            p = self._open[d.request_id]
-            p.reason = p.reason or (d.finish_reason if d.index == 0 else None)
-            p.remaining -= 1
-            if p.remaining == 0:
-                del self._open[d.request_id]
-                ended.append(d.request_id)
-                if self._metrics is not None:
-                    self._metrics.record_finished(p.reason or d.finish_reason or "stop", now - p.arrival)
-        self._queue.put_nowait(deltas)
+        self._released, self._held_steps = len(self._pending), 0
+        self._wake.set()
+
+    def _finish(self, request_id: str) -> None:
+        """The engine finished the request; its last deltas were pushed before this call."""
+        p = self._open.pop(request_id)
+        if self._metrics is not None:
+            self._metrics.record_finished(p.reason or "stop", time.monotonic() - p.arrival)
         if not self._open:
-            self._queue.put_nowait(None)
-        return ended
+            self._close()

@@ -1,11 +1,12 @@
-"""Merging the output deltas a slow consumer has let pile up, so that it catches up in one chunk
-per sequence instead of one per engine step."""
+"""Merging a sequence's consecutive output deltas into one: what an `OutputStream` does with the
+deltas that piled up for its consumer (one that fell behind, or woken every `stream_interval`
+steps), so that it writes one chunk per sequence instead of one per engine step."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from nanoserve.engine.llm_engine import SequenceDelta
+from nanoserve.engine.outputs import SequenceDelta
 
 
 def coalesce(deltas: list[SequenceDelta]) -> list[SequenceDelta]:

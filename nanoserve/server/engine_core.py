@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm import build_engine
-from nanoserve.engine.llm_engine import EngineLimits, KVStats, LLMEngine, SequenceDelta
+from nanoserve.engine.builder import build_engine
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.outputs import EngineLimits, EngineSnapshot, SequenceDelta, StepOutput
 from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.log import configure_logging
-from nanoserve.server.deltas import coalesce
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,19 +53,6 @@ class EngineInfo:
 
     tokenizer: Tokenizer | None
     limits: EngineLimits
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's state after one iteration of the core loop. Requests, not sequences: a
-    request is waiting while none of its sequences runs or has finished."""
-
-    num_running: int
-    num_waiting: int
-    kv: KVStats
-    prompt_tokens: int
-    generation_tokens: int
-    spec: SpecStats
 
 
 @dataclass(slots=True)
@@ -94,7 +80,8 @@ class Ready:
 @dataclass(frozen=True, slots=True)
 class Update:
     """One iteration. `applied_adds`: AddRequests taken off the command source in it (accepted
-    or refused). `deltas`: the outputs due to the streams, in step order (see `stream_interval`).
+    or refused). `deltas`: the outputs of this iteration's step, in step order. `finished`:
+    requests whose last output is in `deltas` (an aborted request is never reported).
     `scheduled`: requests that ran for the first time in this iteration's step, which began at
     `started` (time.monotonic, one clock for every process of the machine). `failed`: request id
     -> why the engine refused or failed it; such a request is gone from the engine."""
@@ -102,6 +89,7 @@ class Update:
     snapshot: EngineSnapshot
     applied_adds: int = 0
     deltas: list[SequenceDelta] = dataclasses.field(default_factory=list)
+    finished: list[str] = dataclasses.field(default_factory=list)
     scheduled: list[str] = dataclasses.field(default_factory=list)
     started: float = 0.0
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -120,28 +108,13 @@ Receive = Callable[[bool], list[Command]]  # block: wait for at least one comman
 Send = Callable[[Message], None]
 
 
-@dataclass(slots=True)
-class _Live:
-    """The core's record of a request in the engine."""
-
-    remaining: int  # sequences not finished
-    scheduled: bool = False
-    sent: bool = False  # whether any output was sent yet
-    held: list[SequenceDelta] = dataclasses.field(default_factory=list)  # not yet sent (stream_interval)
-    held_steps: int = 0  # steps whose outputs are in `held`
-
-
 class EngineCore:
-    """Drives one engine. `stream_interval`: a request's outputs are sent every this many steps
-    (merged per sequence), and always at its first output and when a sequence finishes; more than
-    1 trades inter-token latency for fewer, larger messages and chunks."""
+    """Drives one engine. It keeps one record per request in the engine: whether it has been
+    seen running yet (for `Update.scheduled`); the engine says when a request ends."""
 
-    def __init__(self, engine: LLMEngine, stream_interval: int = 1) -> None:
-        if stream_interval < 1:
-            raise ValueError("stream_interval must be at least 1")
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.stream_interval = stream_interval
-        self._live: dict[str, _Live] = {}
+        self._scheduled: dict[str, bool] = {}  # request id -> seen running; every request in the engine
 
     def run(self, receive: Receive, send: Send) -> None:
         """Serves until a stop command. Raises if the engine is left broken by a failed step."""
@@ -152,35 +125,26 @@ class EngineCore:
             adds = self._apply(commands, failed)
             if None in commands:
                 return
-            deltas: list[SequenceDelta] = []
+            out = StepOutput([])
             started = time.monotonic()
             if engine.has_unfinished():
                 try:
-                    deltas = engine.step()
+                    out = engine.step()
                 except Exception as e:
                     log.exception("an engine step failed; failing the requests in flight")
                     self._fail_live(f"the engine failed: {type(e).__name__}: {e}", failed)
                     if engine.has_unfinished() or engine.kv_stats().blocks_used:
                         raise RuntimeError("the engine still holds requests or blocks after a failed step") from e
-            snapshot, waiting = self.snapshot()
-            scheduled = self._newly_scheduled(waiting)
-            send(Update(snapshot, adds, self._due(deltas), scheduled, started, failed))
-
-    def snapshot(self) -> tuple[EngineSnapshot, set[str]]:
-        """The engine's snapshot and the ids of its waiting requests."""
-        engine = self.engine
-        sched = engine.scheduler
-        running = {r.request_id for r in sched.running}
-        waiting = {r.request_id for r in sched.waiting} - running
-        snap = EngineSnapshot(len(running), len(waiting), engine.kv_stats(), engine.num_prompt_tokens,
-                              engine.num_generated_tokens, dataclasses.replace(engine.spec_stats))
-        return snap, waiting
+            for rid in out.finished:
+                del self._scheduled[rid]
+            scheduled = self._newly_scheduled()
+            send(Update(engine.snapshot(), adds, out.deltas, out.finished, scheduled, started, failed))
 
     def abort_all(self) -> None:
         """Aborts every request in the engine and forgets it (at exit, and after a failed step)."""
-        for rid in list(self._live):
+        for rid in self._scheduled:
             self.engine.abort(rid)
-        self._live.clear()
+        self._scheduled.clear()
 
     def _apply(self, commands: list[Command], failed: dict[str, str]) -> int:
         """Applies the commands in order; returns how many were AddRequests."""
@@ -194,49 +158,28 @@ class EngineCore:
                     log.exception("adding request %s failed", cmd.request_id)
                     failed[cmd.request_id] = f"the engine refused the request: {e}"
                 else:
-                    self._live[cmd.request_id] = _Live(cmd.params.n)
+                    self._scheduled[cmd.request_id] = False
             elif isinstance(cmd, AbortRequest):
-                self._live.pop(cmd.request_id, None)
+                self._scheduled.pop(cmd.request_id, None)
                 self.engine.abort(cmd.request_id)
         return adds
 
-    def _newly_scheduled(self, waiting: set[str]) -> list[str]:
+    def _newly_scheduled(self) -> list[str]:
         scheduled = []
-        for rid, live in self._live.items():
-            if not live.scheduled and rid not in waiting:
-                live.scheduled = True
+        for rid, seen in self._scheduled.items():
+            if not seen and self.engine.started(rid):
+                self._scheduled[rid] = True
                 scheduled.append(rid)
         return scheduled
 
-    def _due(self, deltas: list[SequenceDelta]) -> list[SequenceDelta]:
-        """Holds each request's deltas until its outputs are due; returns those that are."""
-        stepped: dict[str, _Live] = {}
-        for d in deltas:
-            live = self._live.get(d.request_id)
-            if live is None:
-                continue
-            live.held.append(d)
-            stepped[d.request_id] = live
-            if d.finished:
-                live.remaining -= 1
-                if live.remaining == 0:
-                    del self._live[d.request_id]
-        due: list[SequenceDelta] = []
-        for live in stepped.values():
-            live.held_steps += 1
-            if not live.sent or live.held_steps >= self.stream_interval or any(d.finished for d in live.held):
-                due.extend(live.held if len(live.held) == 1 else coalesce(live.held))
-                live.held, live.held_steps, live.sent = [], 0, True
-        return due
-
     def _fail_live(self, message: str, failed: dict[str, str]) -> None:
         """Fails every request in the engine with `message`, and aborts them."""
-        for rid in self._live:
+        for rid in self._scheduled:
             failed[rid] = message
         self.abort_all()
 
 
-def run_core(loader: Callable[[], LLMEngine], stream_interval: int, receive: Receive, send: Send) -> None:
+def run_core(loader: Callable[[], LLMEngine], receive: Receive, send: Send) -> None:
     """Loads the engine and serves it until a stop command or a broken engine; every outcome ends
     with an `Exited` message, and no request is left in the engine."""
     try:
@@ -245,8 +188,8 @@ def run_core(loader: Callable[[], LLMEngine], stream_interval: int, receive: Rec
         log.exception("loading the model failed")
         send(Exited(EngineState.DEAD, str(e)))
         return
-    core = EngineCore(engine, stream_interval)
-    send(Ready(EngineInfo(engine.tokenizer, engine.limits), core.snapshot()[0]))
+    core = EngineCore(engine)
+    send(Ready(EngineInfo(engine.tokenizer, engine.limits), engine.snapshot()))
     try:
         core.run(receive, send)
     except BaseException as e:
@@ -261,8 +204,7 @@ def run_core(loader: Callable[[], LLMEngine], stream_interval: int, receive: Rec
     send(exited)
 
 
-def run_core_process(args: EngineArgs, stream_interval: int, commands: Connection, outputs: Connection,
-                     log_level: int) -> None:
+def run_core_process(args: EngineArgs, commands: Connection, outputs: Connection, log_level: int) -> None:
     """The engine-core process: builds the engine from `args` and serves it over two pipes. A
     closed command pipe (the front end is gone) stops it like a stop command. SIGINT and SIGTERM
     are ignored: a terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process
@@ -287,4 +229,4 @@ def run_core_process(args: EngineArgs, stream_interval: int, commands: Connectio
         with contextlib.suppress(OSError):  # the front end is gone; the command pipe's end stops the loop
             outputs.send(message)
 
-    run_core(functools.partial(build_engine, args), stream_interval, receive, send)
+    run_core(functools.partial(build_engine, args), receive, send)

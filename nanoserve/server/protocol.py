@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,8 +74,9 @@ class ChatMessage(BaseModel):
         else:
             content = self.content
         message: dict[str, object] = {**(self.model_extra or {}), "role": self.role, "content": content}
-        if isinstance(message.get("tool_calls"), list):
-            message["tool_calls"] = [_decoded_arguments(c) for c in message["tool_calls"]]  # type: ignore[union-attr]
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_decoded_arguments(c) for c in calls]
         if self.role == "developer":
             message["role"] = "system"
         if self.name is not None:
@@ -180,7 +181,7 @@ class CompletionRequest(_SamplingRequest):
         """The prompts of the request, one engine request each; empty ones are a 400."""
         p = self.prompt
         single = isinstance(p, str) or not p or isinstance(p[0], int)
-        batch: list[str | list[int]] = [p] if single else list(p)  # type: ignore[list-item]
+        batch = cast(list[str | list[int]], [p] if single else list(p))
         if not batch or any(len(x) == 0 for x in batch):
             raise APIError(400, "the prompt is empty", param="prompt")
         if self.best_of not in (None, 1, self.n or 1):

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from nanoserve.engine.llm_engine import EngineLimits, SequenceDelta
+from nanoserve.engine.outputs import EngineLimits, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server.async_engine import (
     AsyncEngine,

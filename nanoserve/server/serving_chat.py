@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.engine.llm_engine import SequenceDelta
+from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
@@ -150,7 +150,8 @@ async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int
             for d in deltas:
                 usage.add(d)
                 logprobs = chat_logprobs(tok, d) if d.logprobs is not None else None
-                text, calls = d.text, []
+                text = d.text
+                calls: list[ToolCall] = []
                 if parsers is not None:
                     text, calls = parsers[d.index].push(d.text)
                     if d.finished:

@@ -15,12 +15,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.engine.llm_engine import SequenceDelta
+from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
 from nanoserve.server.engine_core import EngineInfo
-from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.serving import (
     ChoiceOutput,
@@ -40,13 +39,10 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 _Entry = tuple[str, float, dict[str, float]]  # token text, its logprob, the top tokens' logprobs
 
 
-def prepare_completion(info: EngineInfo, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+def prepare_completion(info: EngineInfo, tok: Tokenizer,
+                       body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
     """Prompt ids and sampling params. Blocking (tokenizer), so handlers run it in a worker thread."""
-    prompts = body.prompts()
-    tok = info.tokenizer
-    if tok is None and any(isinstance(p, str) for p in prompts):
-        raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
-    ids = [tok.encode(p) if isinstance(p, str) and tok is not None else list(p) for p in prompts]
+    ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = body.sampling_params(max_tokens, body.logprobs)
     for prompt_ids in ids:
@@ -58,7 +54,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     serving.check_request(body, body.model)
     info = serving.running_info()
     tok = serving.tokenizer()
-    ids, params = await asyncio.to_thread(prepare_completion, info, body)
+    ids, params = await asyncio.to_thread(prepare_completion, info, tok, body)
     echo = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts()] if body.echo else None
     stream = serving.submit(ids, params, body.priority or 0, "cmpl")
     choice_of = {rid: i * params.n for i, rid in enumerate(stream.request_ids)}

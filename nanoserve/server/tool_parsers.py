@@ -46,7 +46,8 @@ def parser_factory(name: str, chat_template: str | None) -> Callable[[], ToolCal
     if name == "auto":
         template = chat_template or ""
         name = "hermes" if "<tool_call>" in template else "llama3_json" if "<|python_tag|>" in template else "none"
-    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}.get(name)
+    parsers: dict[str, Callable[[], ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+    return parsers.get(name)
 
 
 def _call(obj: Any) -> ToolCall | None:

@@ -6,7 +6,8 @@ sees the start of a stop string that is later cut), and a matched stop string is
 
 from __future__ import annotations
 
-from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoserve.tokenizer.detokenizer import IncrementalDetokenizer
+from nanoserve.tokenizer.tokenizer import Tokenizer
 
 
 class TextStream:

@@ -1,0 +1,154 @@
+"""Every type that leaves the engine: what a step produced, what a request completed to, the
+engine's state for a front end, and the limits a request is validated against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.spec_decode import SpecStats
+from nanoserve.kv.manager import KVStats, blocks_needed
+
+__all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "KVStats", "RequestOutput", "SequenceDelta",
+           "SequenceProgress", "SpecStats", "StepOutput"]
+
+
+@dataclass(slots=True)
+class SequenceDelta:
+    """What one sequence produced in one step. `text` is final (never revised). The token that
+    ended a sequence by EOS or a stop id is in `token_ids` but not in `text`."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One engine step: a delta per sequence that produced tokens or ended, and the ids of the
+    requests whose last sequence ended in this step. Each request is reported in `finished`
+    exactly once, in the step that carries its last delta; an aborted request never is (its end
+    is the caller's own action). Iterating yields the deltas."""
+
+    deltas: list[SequenceDelta]
+    finished: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[SequenceDelta]:
+        return iter(self.deltas)
+
+    def __len__(self) -> int:
+        return len(self.deltas)
+
+
+class SequenceProgress(NamedTuple):
+    """One unfinished sequence: whether it runs (else it waits), its tokens, and how many of
+    them are computed (their K/V in the pool)."""
+
+    running: bool
+    num_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's n samples. `logprobs[i]` is the raw logprob of token_ids[i];
+    `top_logprobs[i]` the (id, logprob) of the most likely tokens at that step."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request of the offline API (`LLM`), folded from its deltas (`accumulate`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    def accumulate(self, delta: SequenceDelta) -> None:
+        """Folds one step's delta of one of this request's sequences into its output."""
+        out = self.outputs[delta.index]
+        out.text += delta.text
+        out.token_ids.extend(delta.token_ids)
+        out.finish_reason = delta.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.logprobs is not None:
+            if out.logprobs is None:
+                out.logprobs, out.top_logprobs = [], []
+            out.logprobs.extend(delta.logprobs)
+            assert out.top_logprobs is not None
+            out.top_logprobs.extend(delta.top_logprobs or [])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's state between two steps. Requests, not sequences: a request runs while any
+    of its sequences runs, and waits while none runs and one still waits."""
+
+    num_running: int
+    num_waiting: int
+    kv: KVStats
+    prompt_tokens: int
+    generation_tokens: int
+    spec: SpecStats
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What decides whether a request can ever run, apart from the engine (a front end in another
+    process validates with it before anything is queued). `reserve_blocks`: blocks every sequence
+    takes whatever its length (the contiguous layout), else 0."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    reserve_blocks: int
+    vocab_size: int
+    detokenizes: bool
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        """The most tokens one sequence can hold: the context length or the whole pool."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError, with the numbers, when a request can never run."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{total} ({len(prompt_ids)} in the prompt + {params.max_tokens} max_tokens)"
+            )
+        blocks = blocks_needed(total, self.block_size, self.reserve_blocks)
+        if blocks > self.num_blocks:
+            raise ValueError(f"the request needs {blocks} KV blocks; the pool has {self.num_blocks}")
+        if params.stop and not self.detokenizes:
+            raise ValueError("stop strings need a tokenizer")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
