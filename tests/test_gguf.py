@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 
 from nanoserve.model import LoadedModel, ModelConfig, UnsupportedModelError, load_model
 from nanoserve.model.config import RopeScaling
+from nanoserve.model.families import FAMILIES as REGISTRY
+from nanoserve.model.families.llama import LLAMA
 from nanoserve.model.gguf_export import export_gguf
 from nanoserve.model.gguf_reader import (
     LLAMA3_REGEX,
@@ -132,6 +134,26 @@ def test_f32_round_trip(exported, reference, family):
     src, path = exported(family)
     (ref, ref_logits), got = reference(src), load_model(path, dtype=torch.float32)
     assert got.config == _as_gguf_sees_it(ref.config)
+    assert _max_logit_diff(ref_logits, got) < TOLERANCE["F32"]
+
+
+def test_registered_family_written_as_its_gguf_architecture(make_checkpoint, reference, tmp_path):
+    """A family added to a registry value (Llama's declaration under another name, as
+    test_model_parity's IQuestCoder) is written under the GGUF architecture it declares (`llama`,
+    Q/K rows permuted) and reads back as the first family stored so (Llama), to the same logits as
+    the checkpoint."""
+    src = make_checkpoint("llama")
+    ours = shutil.copytree(src, tmp_path / "iquestcoder")
+    cfg = json.loads((ours / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["IQuestCoderForCausalLM"], "iquestcoder"
+    (ours / "config.json").write_text(json.dumps(cfg))
+    family = dataclasses.replace(LLAMA, name="iquestcoder", architectures=("IQuestCoderForCausalLM",))
+    with pytest.raises(UnsupportedModelError, match="IQuestCoderForCausalLM"):
+        export_gguf(ours, tmp_path / "refused.gguf")
+    path = export_gguf(ours, tmp_path / "iquestcoder.gguf", families=REGISTRY.extended(family))
+    assert GGUFReader(path).fields["general.architecture"].contents() == "llama"
+    (ref, ref_logits), got = reference(src), load_model(path, dtype=torch.float32)
+    assert got.config == ref.config
     assert _max_logit_diff(ref_logits, got) < TOLERANCE["F32"]
 
 

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from nanoserve.model import ModelLoadError, UnsupportedModelError, load_model
+from nanoserve.model.families import FAMILIES as REGISTRY
+from nanoserve.model.families import Family
+from nanoserve.model.families.llama import LLAMA, LLAMA_GGUF
 from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps, select_layer_ops
 from nanoserve.model.layers import rope_cos_sin
 
 from conftest import FAMILIES
 from support import forward_chunks, full_logits
+
+# A Llama-shaped family nanoserve does not ship, declared as docs/architecture.md ("Adding a model
+# family") declares it: transformers runs IQuestCoder checkpoints as LlamaForCausalLM.
+IQUESTCODER = Family(
+    name="iquestcoder",
+    architectures=("IQuestCoderForCausalLM",),
+    gguf=LLAMA_GGUF,
+    bias_switch="attention_bias",
+)
 
 LENGTHS = (3, 17, 40, 70)
 
@@ -117,6 +131,7 @@ def test_unsupported_architecture_is_named(make_checkpoint, tmp_path):
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("hidden_act", "gelu", "hidden_act"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "yarn"),
+    ("attention_bias", True, "attention_bias=true .* bias on o_proj"),  # transformers' Llama biases o too
 ])
 def test_unsupported_config_field_is_named(make_checkpoint, tmp_path, field, value, message):
     src = make_checkpoint("llama")
@@ -140,3 +155,59 @@ def test_offline_hub_id_fails_with_one_line(monkeypatch):
     with pytest.raises(ModelLoadError) as info:
         load_model("no-such-org/no-such-model")
     assert "no-such-org/no-such-model" in str(info.value) and "\n" not in str(info.value)
+
+
+def iquestcoder_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of a Llama checkpoint that config.json calls an IQuestCoder one."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["IQuestCoderForCausalLM"], "iquestcoder"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_family_is_one_declaration(make_checkpoint, tmp_path):
+    """Without its declaration the checkpoint is refused, naming what is supported; with it, in a
+    registry extended by that one value, it loads to transformers' logits."""
+    path = iquestcoder_checkpoint(make_checkpoint("llama"), tmp_path / "iquestcoder")
+    with pytest.raises(UnsupportedModelError, match=r"IQuestCoderForCausalLM.*supports .*'LlamaForCausalLM'"):
+        load_model(path)
+    loaded = load_model(path, dtype=torch.float32, families=REGISTRY.extended(IQUESTCODER))
+    assert loaded.config.family == "iquestcoder"
+    seqs = _random_seqs(loaded.config.vocab_size, seed=4)
+    ref = _hf_logits(path, seqs)
+    for o, r in zip(full_logits(loaded, seqs), ref, strict=True):
+        assert (o - r).abs().max().item() < 1e-4
+        assert torch.equal(o.argmax(-1), r.argmax(-1))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
+def test_native_decoder_only_for_families_that_declare_it(make_checkpoint, tmp_path):
+    from nanoserve.attention import CpuPagedAttention
+    from nanoserve.attention.cpu_paged import load_paged_attention
+    from nanoserve.model.native_decoder import NativeDecoder
+    from nanoserve.native import load_cpu_kernels
+
+    lib, kernel = load_cpu_kernels(), load_paged_attention()
+    assert lib is not None and kernel is not None
+    path = iquestcoder_checkpoint(make_checkpoint("llama", hidden_size=128), tmp_path / "iquestcoder")  # head size 32
+    for native in (True, False):
+        family = dataclasses.replace(IQUESTCODER, native_decoder=native)
+        loaded = load_model(path, dtype=torch.float32, families=REGISTRY.extended(family))
+        loaded.model.ops = CpuLayerOps(lib)
+        built = NativeDecoder.build(loaded.model, CpuPagedAttention(kernel))
+        assert (built is not None) is native
+
+
+def test_registry_is_a_value():
+    """Extending makes a new registry; names and architectures stay unique; a GGUF architecture
+    several families share reads as the first of them."""
+    extended = REGISTRY.extended(IQUESTCODER)
+    assert extended["iquestcoder"] is IQUESTCODER and "iquestcoder" not in [f.name for f in REGISTRY.families]
+    assert extended.for_gguf_arch("llama") is LLAMA
+    assert extended.for_hf_config({"architectures": ["Foo", "IQuestCoderForCausalLM"]}) is IQUESTCODER
+    assert extended.for_hf_config({"model_type": "iquestcoder"}) is IQUESTCODER
+    with pytest.raises(ValueError, match="architecture 'LlamaForCausalLM'"):
+        REGISTRY.extended(dataclasses.replace(IQUESTCODER, architectures=("LlamaForCausalLM",)))
+    with pytest.raises(ValueError, match="rope types the decoder lacks"):
+        dataclasses.replace(IQUESTCODER, rope_types=("yarn",))

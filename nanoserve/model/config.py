@@ -1,8 +1,9 @@
 """Model configuration: one frozen description of a decoder, read from a Hugging Face `config.json`.
 
-The supported families (Llama 2/3/3.1/3.2, Qwen2/2.5, Qwen3, Mistral) share one decoder shape and
-differ only in a few switches recorded here: bias on q/k/v, RMSNorm on q and k, tied embeddings and
-the rotary scaling rule. Anything outside that set fails at load with a message that names it.
+The supported families (`nanoserve.model.families`) share one decoder shape and differ only in a
+few switches recorded here: bias on q/k/v, RMSNorm on q and k, tied embeddings and the rotary
+scaling rule. How a family's config.json sets them is the family's declaration; anything outside
+that set fails at load with a message that names it.
 """
 
 from __future__ import annotations
@@ -11,15 +12,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
+
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-ROPE_TYPES = ("default", "llama3", "linear")
 
 
 class UnsupportedModelError(ValueError):
@@ -28,7 +24,7 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Rotary scaling rule. `rope_type` is one of ROPE_TYPES; the other fields matter per type."""
+    """Rotary scaling rule. `rope_type` is one of `families.ROPE_TYPES`; the other fields matter per type."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -42,7 +38,8 @@ class ModelConfig:
     """Shape and switches of one decoder-only transformer.
 
     Invariants: `num_attention_heads % num_key_value_heads == 0`; `head_dim` is explicit (it need
-    not equal hidden_size / num_attention_heads, as in Qwen3).
+    not equal hidden_size / num_attention_heads, as in Qwen3). `family` names a `Family` of the
+    registry the config was read with; `native_decoder` is that family's flag.
     """
 
     family: str
@@ -63,6 +60,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    native_decoder: bool = True
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -84,38 +82,39 @@ class ModelConfig:
         return self.num_hidden_layers * (attn + mlp + norms) + embed + h
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Builds a config from a parsed `config.json`; raises UnsupportedModelError on anything
-        this decoder would compute differently from the reference."""
-        archs = cfg.get("architectures") or []
-        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if family is None:
-            model_type = cfg.get("model_type")
-            family = model_type if model_type in ARCHITECTURES.values() else None
+    def from_hf_dict(cls, cfg: dict[str, Any], families: FamilyRegistry = FAMILIES) -> ModelConfig:
+        """Builds a config from a parsed `config.json`, by the rules of its family in `families`;
+        raises UnsupportedModelError on anything this decoder would compute differently from the
+        reference."""
+        family = families.for_hf_config(cfg)
         if family is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"nanoserve supports {sorted(ARCHITECTURES)}"
+                f"unsupported architecture {cfg.get('architectures') or cfg.get('model_type')!r}; "
+                f"nanoserve supports {families.architectures}"
             )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("unsupported config field mlp_bias=true")
+        if family.bias_switch is not None and cfg.get(family.bias_switch):
+            raise UnsupportedModelError(
+                f"unsupported config field {family.bias_switch}=true ({family.name} then has a bias on "
+                "o_proj, which nanoserve does not implement)"
+            )
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // heads
         rope = cfg.get("rope_parameters") or {}
         legacy = cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = _rope_scaling({**legacy, **rope})
-        window = cfg.get("sliding_window")
-        if family == "qwen2" or family == "qwen3":
-            window = window if cfg.get("use_sliding_window") else None
+        scaling = _rope_scaling({**legacy, **rope}, family)
+        switch = family.sliding_window_switch
+        window = cfg.get("sliding_window") if switch is None or cfg.get(switch) else None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
-            family=family,
+            family=family.name,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
@@ -127,20 +126,22 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            attention_bias=family.qkv_bias,
+            qk_norm=family.qk_norm,
             rope_scaling=scaling,
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
+            native_decoder=family.native_decoder,
         )
 
 
-def _rope_scaling(spec: dict[str, Any]) -> RopeScaling:
+def _rope_scaling(spec: dict[str, Any], family: Family) -> RopeScaling:
     rope_type = spec.get("rope_type") or spec.get("type") or "default"
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in family.rope_types:
         raise UnsupportedModelError(
-            f"unsupported rope_scaling type {rope_type!r}; nanoserve supports {list(ROPE_TYPES)}"
+            f"unsupported rope_scaling type {rope_type!r}; nanoserve supports {list(family.rope_types)} "
+            f"for {family.name}"
         )
     known = {f for f in RopeScaling.__slots__ if f != "rope_type"}
     return RopeScaling(rope_type=rope_type, **{k: v for k, v in spec.items() if k in known})

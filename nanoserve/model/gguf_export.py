@@ -1,7 +1,8 @@
 """Writes a GGUF file from a Hugging Face folder, as llama.cpp's `convert_hf_to_gguf.py` would.
 
-Same metadata keys, tensor names and tensor types as the converter: Q and K rows of `llama`-arch
-models (Llama and Mistral) permuted to the interleaved rotary layout, 1-D tensors and norms kept
+Same metadata keys, tensor names and tensor types as the converter (names and GGUF architecture
+from the model's family, `nanoserve.model.families`): Q and K rows of architectures that store
+them interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept
 F32, tied embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight`
 factors, the tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its
 pre-tokenizer name, special ids and chat template (through `gguf.SpecialVocab`, as the converter
@@ -24,12 +25,12 @@ from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType, TokenType
 
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch
 from nanoserve.model.gguf_reader import (
     GPT2_REGEX,
     PRE_TOKENIZERS,
     ROPE_FREQS,
     ROPE_SCALING_KEY,
-    gguf_tensor_name,
     llama3_rope_factors,
     permute_rotary,
 )
@@ -43,27 +44,32 @@ OUT_TYPES = {
     "BF16": (QType.BF16, LlamaFileType.MOSTLY_BF16),
     "Q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def export_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str = "F32") -> Path:
+def export_gguf(
+    hf_dir: str | Path, out_path: str | Path, out_type: str = "F32", families: FamilyRegistry = FAMILIES
+) -> Path:
     """Converts the checkpoint in `hf_dir` (config.json, *.safetensors, tokenizer.json,
-    tokenizer_config.json) to a GGUF file at `out_path` with matrices stored as `out_type`
-    (F32, F16, BF16 or Q8_0); returns `out_path`. Raises ValueError for what it cannot convert."""
+    tokenizer_config.json) of a model of one of `families` to a GGUF file at `out_path` with
+    matrices stored as `out_type` (F32, F16, BF16 or Q8_0); returns `out_path`. Raises ValueError
+    for what it cannot convert."""
     if out_type not in OUT_TYPES:
         raise ValueError(f"unknown GGUF output type {out_type!r}; choose one of {sorted(OUT_TYPES)}")
     folder, out = Path(hf_dir), Path(out_path)
     hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    cfg = ModelConfig.from_hf_dict(hf_config)
-    arch = _GGUF_ARCH[cfg.family]
+    cfg = ModelConfig.from_hf_dict(hf_config, families)
+    family = families[cfg.family]
+    arch = family.gguf
+    if arch is None:
+        raise ValueError(f"{folder.name}: the {family.name} family has no GGUF architecture")
     qtype, ftype = OUT_TYPES[out_type]
     if cfg.sliding_window is not None:
         log.warning("%s: sliding_window=%d is not written; llama.cpp's %s architecture has no sliding window",
-                    folder.name, cfg.sliding_window, arch)
-    writer = gguf.GGUFWriter(out, arch, use_temp_file=True)
+                    folder.name, cfg.sliding_window, arch.name)
+    writer = gguf.GGUFWriter(out, arch.name, use_temp_file=True)
     _write_hparams(writer, arch, cfg, ftype, folder.name)
     _write_tokenizer(writer, folder, cfg.vocab_size)
-    for name, tensor in _gguf_tensors(folder, cfg, arch):
+    for name, tensor in _gguf_tensors(folder, cfg, family, arch):
         kind = _tensor_type(name, tensor.shape, qtype)
         data = tensor.to(torch.float32).numpy()
         writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
@@ -75,7 +81,7 @@ def export_gguf(hf_dir: str | Path, out_path: str | Path, out_type: str = "F32")
 
 
 def _write_hparams(
-    writer: gguf.GGUFWriter, arch: str, cfg: ModelConfig, ftype: LlamaFileType, name: str
+    writer: gguf.GGUFWriter, arch: GGUFArch, cfg: ModelConfig, ftype: LlamaFileType, name: str
 ) -> None:
     """The converter's `set_gguf_parameters` for these architectures."""
     writer.add_type(gguf.GGUFType.MODEL)
@@ -92,7 +98,7 @@ def _write_hparams(
     writer.add_value_length(cfg.head_dim)
     writer.add_file_type(ftype)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if arch == "llama":
+    if arch.vocab_and_rope_dims:
         writer.add_vocab_size(cfg.vocab_size)
         writer.add_rope_dimension_count(cfg.head_dim)
     scaling = cfg.rope_scaling
@@ -106,21 +112,25 @@ def _write_hparams(
         writer.add_string(ROPE_SCALING_KEY, json.dumps(spec))
 
 
-def _gguf_tensors(folder: Path, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_tensors(
+    folder: Path, cfg: ModelConfig, family: Family, arch: GGUFArch
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor in GGUF layout): rope factors first (llama3 scaling only), then every
-    checkpoint tensor renamed, with Q/K rows permuted for the `llama` architecture."""
+    checkpoint tensor renamed, with Q/K rows permuted where the architecture stores them interleaved."""
     if cfg.rope_scaling.rope_type == "llama3":
         yield ROPE_FREQS, llama3_rope_factors(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
     for hf_name, tensor in iter_safetensors(safetensors_files(folder)):
         tied_head = cfg.tie_word_embeddings and hf_name == "lm_head.weight"
         if tied_head or hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        name = gguf_tensor_name(hf_name)
-        if name is None:
+        ref = family.tensor_by_hf(hf_name)
+        if ref is None:
             raise ValueError(f"checkpoint tensor {hf_name} has no GGUF equivalent for {cfg.family}")
-        proj = name.split(".")[-2]
-        yield name, permute_rotary(tensor, heads[proj]) if arch == "llama" and proj in heads else tensor
+        rows = ref.tensor.rows
+        if arch.interleaved_rotary and rows is not None and rows in heads:
+            tensor = permute_rotary(tensor, heads[rows])
+        yield ref.gguf_name, tensor
 
 
 def _tensor_type(name: str, shape: torch.Size, qtype: QType) -> QType:

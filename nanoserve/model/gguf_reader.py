@@ -4,10 +4,12 @@ tokenizer, and tensors under Hugging Face names in Hugging Face layout.
 Invariants:
 - Nothing is unpickled. Tensors are read from a copy-on-write memory map and converted one at a
   time, so the file is never modified and never held twice in memory.
+- The file's architecture selects a family of the registry (`nanoserve.model.families`); its
+  declaration names the tensors and says how llama.cpp stores them.
 - `weights()` yields exactly what the safetensors checkpoint the file was converted from holds
   (up to the file's precision): shapes in torch order (GGUF lists dims in reverse), and the Q/K
-  rows of `llama`-architecture files un-permuted from llama.cpp's interleaved rotary layout back to
-  the rotate-half layout of `transformers`.
+  rows of files whose architecture stores them interleaved (`llama`) un-permuted from llama.cpp's
+  interleaved rotary layout back to the rotate-half layout of `transformers`.
 - The rebuilt tokenizer tokenizes as llama.cpp does: byte-level BPE split by the file's
   `tokenizer.ggml.pre` (an unknown pre-tokenizer fails rather than silently splitting text
   differently), or SentencePiece BPE by piece scores (`nanoserve.tokenizer.sentencepiece_bpe`).
@@ -18,10 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import gguf
 import numpy as np
@@ -33,34 +34,17 @@ from gguf import GGUFReader, GGUFValueType, ReaderTensor, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from nanoserve.model.config import RopeScaling, UnsupportedModelError
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
 from nanoserve.model.layers import rope_inv_freq
 from nanoserve.tokenizer import sentencepiece_bpe
 from nanoserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_FREQS = "rope_freqs.weight"
 # Metadata key (ours, ignored by llama.cpp) holding the exact HF llama3 rope parameters as JSON;
 # llama.cpp files carry only the per-frequency factors in ROPE_FREQS.
 ROPE_SCALING_KEY = "nanoserve.rope_scaling"
-
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -99,12 +83,14 @@ _NATIVE_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0)
 
 
 class GGUFCheckpoint(NamedTuple):
-    """A GGUF file opened for loading. `tensors` stay memory-mapped until `weights()` reads them."""
+    """A GGUF file opened for loading. `tensors` stay memory-mapped until `weights()` reads them;
+    `family` is the one the file's architecture selected (its `gguf` is set)."""
 
     hf_config: dict[str, Any]
     tokenizer: Tokenizer
     generation_eos: tuple[int, ...]
     tensors: tuple[ReaderTensor, ...]
+    family: Family
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor in HF layout) pairs, each converted to `dtype` when reached.
@@ -113,31 +99,31 @@ class GGUFCheckpoint(NamedTuple):
         k-quant) matmul, so a quantized file saves disk and download, not memory or compute.
         """
         cfg = self.hf_config
-        heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
-        interleaved = cfg["model_type"] == "llama"
+        heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
+        interleaved = self.family.gguf is not None and self.family.gguf.interleaved_rotary
         for t in self.tensors:
             if t.name == ROPE_FREQS:  # already folded into hf_config's rope parameters
                 continue
-            name = hf_tensor_name(t.name)
-            if name is None:
+            ref = self.family.tensor_by_gguf(t.name)
+            if ref is None:
                 log.warning("ignoring GGUF tensor %s (not used by this model)", t.name)
                 continue
             x = _to_torch(t, dtype)
-            proj = name.split(".")[-2]
-            if interleaved and proj in heads:
-                x = unpermute_rotary(x, heads[proj])
-            yield name, x
+            rows = ref.tensor.rows
+            if interleaved and rows is not None and rows in heads:
+                x = unpermute_rotary(x, heads[rows])
+            yield ref.hf_name, x
 
 
 class _Reader(GGUFReader):
     """`GGUFReader` that parses through a plain ndarray view of its memory map instead of the
     `np.memmap` itself: the same bytes, without numpy's Python-level memmap bookkeeping on every
-    slice, which makes reading a 150k-token vocabulary and its merges ~4x faster (measured 17 s ->
-    3.3 s on an idle 2-core CPU).
+    slice, which dominates reading a large vocabulary and its merges otherwise.
     Overrides the reader's private `_get` with the same signature and result."""
 
     def _get(
-        self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: str | None = None
+        self, offset: int, dtype: npt.DTypeLike, count: int = 1,
+        override_order: Literal["I", "S", "<"] | None = None,
     ) -> npt.NDArray[Any]:
         flat = self.__dict__.get("_flat")
         if flat is None:
@@ -147,52 +133,29 @@ class _Reader(GGUFReader):
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
-def read_gguf(path: str | Path) -> GGUFCheckpoint:
+def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFCheckpoint:
     """Opens `path` and reads its metadata and tokenizer; tensors are read later by `weights()`.
 
-    Raises UnsupportedModelError naming the architecture, tokenizer or setting that nanoserve
-    does not implement.
+    Raises UnsupportedModelError naming the architecture (none of `families` is stored as it),
+    tokenizer or setting that nanoserve does not implement.
     """
     reader = _Reader(path, mode="c")
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    family = families.for_gguf_arch(arch) if isinstance(arch, str) else None
+    if family is None:
         raise UnsupportedModelError(
             f"unsupported GGUF architecture {arch!r} in {Path(path).name}; "
-            f"nanoserve reads {sorted(ARCHITECTURES)}"
+            f"nanoserve reads {families.gguf_architectures}"
         )
     generation_eos = _generation_eos(meta)
     tokenizer = _tokenizer(meta, generation_eos)
-    hf_config = _hf_config(meta, arch, {t.name: t for t in reader.tensors})
+    hf_config = _hf_config(meta, family, {t.name: t for t in reader.tensors})
     other = sorted({t.tensor_type.name for t in reader.tensors} - {q.name for q in _NATIVE_TYPES})
     if other:
         log.info("%s: dequantizing %s tensors at load (no quantized matmul here)",
                  Path(path).name, ", ".join(other))
-    return GGUFCheckpoint(hf_config, tokenizer, generation_eos, tuple(reader.tensors))
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None if the decoder has no such tensor."""
-    stem, _, kind = gguf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES and kind in ("weight", "bias"):
-        return f"{_GLOBAL_NAMES[stem]}.{kind}"
-    m = _BLOCK.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-
-
-def gguf_tensor_name(hf_name: str) -> str | None:
-    """The llama.cpp name of a Hugging Face tensor name (inverse of `hf_tensor_name`)."""
-    stem, _, kind = hf_name.rpartition(".")
-    glob = {v: k for k, v in _GLOBAL_NAMES.items()}
-    if stem in glob and kind in ("weight", "bias"):
-        return f"{glob[stem]}.{kind}"
-    m = _HF_LAYER.match(hf_name)
-    layer = {v: k for k, v in _LAYER_NAMES.items()}
-    if m is None or m.group(2) not in layer:
-        return None
-    return f"blk.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
+    return GGUFCheckpoint(hf_config, tokenizer, generation_eos, tuple(reader.tensors), family)
 
 
 def permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -260,8 +223,10 @@ def _require(meta: dict[str, Any], key: str) -> Any:
     return meta[key]
 
 
-def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+def _hf_config(meta: dict[str, Any], family: Family, tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
     """The `config.json` the file was converted from, as far as the decoder needs it."""
+    assert family.gguf is not None
+    arch = family.gguf.name
     if meta.get(f"{arch}.expert_count"):
         raise UnsupportedModelError(f"unsupported GGUF model: mixture-of-experts {arch!r} (expert_count > 0)")
     heads = _require(meta, f"{arch}.attention.head_count")
@@ -269,8 +234,8 @@ def _hf_config(meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor]
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
     theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
     return {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [family.architectures[0]],
+        "model_type": family.name,
         "vocab_size": len(_require(meta, "tokenizer.ggml.tokens")),
         "hidden_size": hidden,
         "intermediate_size": _require(meta, f"{arch}.feed_forward_length"),
@@ -339,7 +304,7 @@ def _to_torch(t: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     """Q8_0 blocks (fp16 scale, then 32 int8 values) to fp32 values, flattened. numpy, not
-    `gguf.quants`: the same arithmetic without its per-row-group Python loop (~4x faster)."""
+    `gguf.quants`: the same arithmetic without its per-row-group Python loop."""
     blocks = raw.reshape(-1, 34)
     return (blocks[:, 2:].view(np.int8).astype(np.float32) * blocks[:, :2].copy().view(np.float16)).ravel()
 

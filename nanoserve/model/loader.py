@@ -13,10 +13,11 @@ from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
+from nanoserve.model.families import FAMILIES, FamilyRegistry
 from nanoserve.model.weights import load_weights
 from nanoserve.tokenizer import Tokenizer
 
@@ -41,7 +42,7 @@ class LoadedModel(NamedTuple):
 
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without it torch emulates
-    bf16 GEMM and it runs several times slower than fp32 (measured 5x on an AVX2-only EPYC)."""
+    bf16 GEMM, which then runs slower than fp32."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -50,8 +51,8 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is bf16 on GPUs and on CPUs with native bf16 (3-4x faster than fp32 there), else fp32.
-    fp16 is refused on CPU, where its matmuls are ~100x slower than bf16."""
+    """'auto' is bf16 on GPUs and on CPUs with native bf16 (faster than fp32 there), else fp32.
+    fp16 is refused on CPU, where torch's fp16 matmuls are far slower than bf16."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
@@ -123,10 +124,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_model(
-    source: str | Path | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+    source: str | Path | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+    families: FamilyRegistry = FAMILIES,
 ) -> LoadedModel:
-    """Loads config, tokenizer and weights. Raises ModelLoadError or UnsupportedModelError with a
-    message that names the problem."""
+    """Loads config, tokenizer and weights of a model of one of `families`. Raises ModelLoadError or
+    UnsupportedModelError with a message that names the problem."""
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_source(source)
@@ -135,14 +137,14 @@ def load_model(
             raise ModelLoadError(f"{path} is a file but not a .gguf; pass a model folder or a GGUF file")
         from nanoserve.model.gguf_reader import read_gguf
 
-        ckpt = read_gguf(path)
-        config = ModelConfig.from_hf_dict(ckpt.hf_config)
+        ckpt = read_gguf(path, families)
+        config = ModelConfig.from_hf_dict(ckpt.hf_config, families)
         tokenizer, tensors = ckpt.tokenizer, ckpt.weights(torch_dtype)
         gen_cfg = {"eos_token_id": list(ckpt.generation_eos)}
     else:
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model folder?")
-        config = ModelConfig.from_hf_dict(_read_json(path / "config.json"))
+        config = ModelConfig.from_hf_dict(_read_json(path / "config.json"), families)
         tensors = iter_safetensors(safetensors_files(path))
         gen_cfg = _read_json(path / "generation_config.json")
         eos = gen_cfg.get("eos_token_id", [])
@@ -150,7 +152,7 @@ def load_model(
         tokenizer = Tokenizer.from_pretrained_dir(path, extra_stop_token_ids=extra_stops)
     with torch.device(dev):
         model = CausalLM(config, torch_dtype)
-    load_weights(model, tensors)
+    load_weights(model, tensors, families[config.family])
     model.eval()
     log.info("loaded %s (%s, %.1fM params, %s) on %s", path.name, config.family, config.num_params / 1e6,
              str(torch_dtype).removeprefix("torch."), dev)

@@ -75,7 +75,7 @@ class NativeDecoder:
         """A decoder for `model` when its steps run on the C++ path (CpuLayerOps and the C++ attention
         kernel for its dtype and head size, all of its parameters contiguous); None otherwise."""
         ops = model.ops
-        if not (isinstance(ops, CpuLayerOps) and isinstance(backend, CpuPagedAttention)
+        if not (model.cfg.native_decoder and isinstance(ops, CpuLayerOps) and isinstance(backend, CpuPagedAttention)
                 and backend.kernel.supports(model.dtype, model.cfg.head_dim)
                 and all(p.is_contiguous() and p.device.type == "cpu" and p.dtype == model.dtype
                         for p in model.parameters())):

@@ -1,4 +1,5 @@
-"""Weight loading: Hugging Face tensor names onto the fused parameters of `CausalLM`.
+"""Weight loading: checkpoint tensors onto the fused parameters of `CausalLM`, by the names its
+family declares (`nanoserve.model.families`).
 
 q/k/v projections land in row slices of `qkv_proj`, gate/up in row slices of `gate_up_proj`.
 Invariant after `load_weights` returns: every parameter slice was written exactly by the
@@ -12,12 +13,13 @@ import re
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
-from nanoserve.model.decoder import CausalLM
+from nanoserve.model.decoder import CausalLM, DecoderLayer
+from nanoserve.model.families import Family, TensorName
 
 log = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
@@ -25,74 +27,60 @@ class MissingWeightsError(ValueError):
     """The checkpoint lacks tensors the model needs, or has them in the wrong shape."""
 
 
-def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, str] | None:
-    """Maps an HF tensor name to (destination view, key used to track coverage)."""
-    if name == "model.embed_tokens.weight":
-        return model.embed_tokens, "embed_tokens"
-    if name == "model.norm.weight":
-        return model.norm.weight, "norm"
-    if name == "lm_head.weight":
-        return (model.lm_head, "lm_head") if model.lm_head is not None else None
-    m = _LAYER.match(name)
-    if m is None:
+def _rows(layer: DecoderLayer, block: str) -> slice:
+    """The rows of a fused parameter of `layer` that one `TensorName.rows` block fills."""
+    q, kv, inter = layer.self_attn.q_size, layer.self_attn.kv_size, layer.mlp.inter
+    return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
+            "gate": slice(0, inter), "up": slice(inter, 2 * inter)}[block]
+
+
+def _destination(owner: nn.Module, tensor: TensorName) -> torch.Tensor | None:
+    """The view of `owner` (the model, or a layer for a layer tensor) that `tensor` fills, or None
+    if this model has no such parameter (an LM head tied to the embedding, a bias it lacks)."""
+    dest: object = owner
+    for attr in tensor.param.split("."):
+        dest = getattr(dest, attr, None)
+        if dest is None:
+            return None
+    assert isinstance(dest, torch.Tensor), tensor.param
+    if tensor.rows is None:
+        return dest
+    assert isinstance(owner, DecoderLayer), tensor.param
+    return dest[_rows(owner, tensor.rows)]
+
+
+def _target(model: CausalLM, family: Family, name: str) -> torch.Tensor | None:
+    """The destination view of a Hugging Face tensor name, or None if the model has no use for it."""
+    ref = family.tensor_by_hf(name)
+    if ref is None:
         return None
-    layer = model.layers[int(m.group(1))]
-    attn, mlp, rest = layer.self_attn, layer.mlp, m.group(2)
-    q, kv = attn.q_size, attn.kv_size
-    slices = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-    direct: dict[str, torch.Tensor | None] = {
-        "self_attn.o_proj.weight": attn.o_proj,
-        "input_layernorm.weight": layer.input_layernorm.weight,
-        "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-        "mlp.down_proj.weight": mlp.down_proj,
-        "self_attn.q_norm.weight": attn.q_norm.weight if attn.q_norm is not None else None,
-        "self_attn.k_norm.weight": attn.k_norm.weight if attn.k_norm is not None else None,
-    }
-    if rest in direct:
-        dest = direct[rest]
-        return (dest, name) if dest is not None else None
-    proj, _, kind = rest.removeprefix("self_attn.").partition(".")
-    if proj in slices and rest.startswith("self_attn."):
-        lo, hi = slices[proj]
-        full = attn.qkv_proj if kind == "weight" else attn.qkv_bias
-        return (full[lo:hi], name) if full is not None else None
-    if rest == "mlp.gate_proj.weight":
-        return mlp.gate_up_proj[: mlp.inter], name
-    if rest == "mlp.up_proj.weight":
-        return mlp.gate_up_proj[mlp.inter :], name
-    return None
+    return _destination(model if ref.layer is None else model.layers[ref.layer], ref.tensor)
 
 
-def expected_keys(model: CausalLM) -> set[str]:
-    """The set of coverage keys a complete checkpoint must write."""
-    keys = {"embed_tokens", "norm"} | ({"lm_head"} if model.lm_head is not None else set())
-    per_layer = ["self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-                 "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
-    if model.cfg.attention_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    if model.cfg.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for i in range(model.cfg.num_hidden_layers):
-        keys |= {f"model.layers.{i}.{p}" for p in per_layer}
+def expected_keys(model: CausalLM, family: Family) -> set[str]:
+    """The Hugging Face names a complete checkpoint must hold: every tensor of `family` that has a
+    destination in `model`."""
+    keys = {t.hf for t in family.global_tensors if _destination(model, t) is not None}
+    for i, layer in enumerate(model.layers):
+        keys |= {f"model.layers.{i}.{t.hf}" for t in family.layer_tensors if _destination(layer, t) is not None}
     return keys
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copies checkpoint tensors (HF names) into the model, casting to the model's dtype."""
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], family: Family) -> None:
+    """Copies checkpoint tensors (Hugging Face names of `family`) into the model, casting to the
+    model's dtype."""
     seen: set[str] = set()
     for name, tensor in tensors:
-        target = _target(model, name)
-        if target is None:
+        dest = _target(model, family, name)
+        if dest is None:
             if not _IGNORED.search(name):
                 log.warning("ignoring checkpoint tensor %s (not used by this model)", name)
             continue
-        dest, key = target
         if dest.shape != tensor.shape:
             raise MissingWeightsError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         dest.copy_(tensor)
-        seen.add(key)
-    missing = expected_keys(model) - seen
+        seen.add(name)
+    missing = expected_keys(model, family) - seen
     if missing:
         raise MissingWeightsError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

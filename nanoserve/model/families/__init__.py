@@ -1,0 +1,26 @@
+"""The model families nanoserve runs: one module each, and the registry built from them.
+
+Adding a Llama-shaped family is one module declaring its `Family` and one entry in `FAMILIES`
+(docs/architecture.md, "Adding a model family").
+"""
+
+from nanoserve.model.families.family import (
+    GLOBAL_TENSORS,
+    LLAMA_LAYER_TENSORS,
+    ROPE_TYPES,
+    Family,
+    FamilyRegistry,
+    GGUFArch,
+    TensorName,
+    TensorRef,
+)
+from nanoserve.model.families.llama import LLAMA
+from nanoserve.model.families.mistral import MISTRAL
+from nanoserve.model.families.qwen2 import QWEN2
+from nanoserve.model.families.qwen3 import QWEN3
+
+# Llama before Mistral: a GGUF file of architecture `llama` reads as Llama.
+FAMILIES = FamilyRegistry((LLAMA, MISTRAL, QWEN2, QWEN3))
+
+__all__ = ["FAMILIES", "GLOBAL_TENSORS", "LLAMA_LAYER_TENSORS", "ROPE_TYPES", "Family", "FamilyRegistry", "GGUFArch",
+           "TensorName", "TensorRef"]

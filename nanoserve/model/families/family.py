@@ -1,0 +1,180 @@
+"""What a model family is to nanoserve: a declaration, read by every part that depends on it.
+
+Every family nanoserve runs is a Llama-shaped decoder (pre-norm RMSNorm blocks, grouped-query
+attention with rotary embeddings, a SwiGLU MLP). A `Family` states how its `config.json` maps onto
+the switches of `ModelConfig`, the names its tensors have in Hugging Face checkpoints and in GGUF
+files and the decoder parameter each one fills, how llama.cpp stores it, and whether the C++ decoder
+runs it. `config.py`, `weights.py`, `gguf_reader.py` and `gguf_export.py` derive their tables from
+these declarations; nothing else names a family.
+
+Declarations only: this module imports nothing from the rest of nanoserve and holds no mutable
+state. The Llama layout is declared here once, as the defaults; a family states what differs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+# Rotary scaling rules the decoder implements (`nanoserve.model.layers.rope_inv_freq`).
+ROPE_TYPES = ("default", "llama3", "linear")
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class TensorName(NamedTuple):
+    """One checkpoint tensor under its Hugging Face and GGUF names, and where the decoder keeps it.
+
+    Names of layer tensors are relative to the layer (`model.layers.{i}.` in Hugging Face files,
+    `blk.{i}.` in GGUF files, `CausalLM.layers[i]` for `param`); others to the model. `param` is an
+    attribute path on `CausalLM` (or on one of its layers); `rows`, when set, names the block of
+    rows this tensor fills in a fused parameter: "q", "k" or "v" of `qkv_proj` / `qkv_bias`,
+    "gate" or "up" of `gate_up_proj`.
+    """
+
+    hf: str
+    gguf: str
+    param: str
+    rows: str | None = None
+
+
+class TensorRef(NamedTuple):
+    """A `TensorName` of one layer (`layer` None for the embedding, final norm and LM head)."""
+
+    layer: int | None
+    tensor: TensorName
+
+    @property
+    def hf_name(self) -> str:
+        return self.tensor.hf if self.layer is None else f"model.layers.{self.layer}.{self.tensor.hf}"
+
+    @property
+    def gguf_name(self) -> str:
+        return self.tensor.gguf if self.layer is None else f"blk.{self.layer}.{self.tensor.gguf}"
+
+
+GLOBAL_TENSORS = (
+    TensorName("model.embed_tokens.weight", "token_embd.weight", "embed_tokens"),
+    TensorName("model.norm.weight", "output_norm.weight", "norm.weight"),
+    TensorName("lm_head.weight", "output.weight", "lm_head"),  # absent when tied to the embedding
+)
+LLAMA_LAYER_TENSORS = (
+    TensorName("input_layernorm.weight", "attn_norm.weight", "input_layernorm.weight"),
+    TensorName("self_attn.q_proj.weight", "attn_q.weight", "self_attn.qkv_proj", "q"),
+    TensorName("self_attn.k_proj.weight", "attn_k.weight", "self_attn.qkv_proj", "k"),
+    TensorName("self_attn.v_proj.weight", "attn_v.weight", "self_attn.qkv_proj", "v"),
+    TensorName("self_attn.o_proj.weight", "attn_output.weight", "self_attn.o_proj"),
+    TensorName("post_attention_layernorm.weight", "ffn_norm.weight", "post_attention_layernorm.weight"),
+    TensorName("mlp.gate_proj.weight", "ffn_gate.weight", "mlp.gate_up_proj", "gate"),
+    TensorName("mlp.up_proj.weight", "ffn_up.weight", "mlp.gate_up_proj", "up"),
+    TensorName("mlp.down_proj.weight", "ffn_down.weight", "mlp.down_proj"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFArch:
+    """How llama.cpp stores a family: `general.architecture`, which also prefixes its
+    hyperparameter keys (`{name}.block_count`, `{name}.attention.head_count`, ...)."""
+
+    name: str
+    # Q and K rows permuted from rotate-half to the interleaved rotary layout (the converter's
+    # `LlamaModel.permute`); the reader undoes it, the exporter applies it.
+    interleaved_rotary: bool = False
+    # The converter also writes `{name}.vocab_size` and `{name}.rope.dimension_count`.
+    vocab_and_rope_dims: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One model family. `name` is `ModelConfig.family` and the `model_type` of its config.json
+    (matched when no entry of `architectures` is one a family claims)."""
+
+    name: str
+    architectures: tuple[str, ...]  # config.json `architectures` entries of this family
+    gguf: GGUFArch | None  # None: no GGUF files of this family are read or written
+    qkv_bias: bool = False  # q, k and v projections always carry a bias (Qwen2)
+    # A config.json flag that, when true, gives q, k, v and o a bias (transformers' Llama and Qwen3
+    # read `attention_bias` so); the decoder has no o bias, so such a checkpoint is refused.
+    bias_switch: str | None = None
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (Qwen3)
+    # The config.json flag without which `sliding_window` is ignored (Qwen: `use_sliding_window`);
+    # None: a `sliding_window` in config.json always applies (Mistral).
+    sliding_window_switch: str | None = None
+    rope_types: tuple[str, ...] = ROPE_TYPES  # rotary scaling rules accepted (a subset of ROPE_TYPES)
+    layer_tensors: tuple[TensorName, ...] = LLAMA_LAYER_TENSORS
+    global_tensors: tuple[TensorName, ...] = GLOBAL_TENSORS
+    native_decoder: bool = True  # `nanoserve/csrc/decoder.cpp` implements these layers
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.rope_types) - set(ROPE_TYPES))
+        if unknown:
+            raise ValueError(f"family {self.name!r} accepts rope types the decoder lacks: {unknown}")
+
+    def tensor_by_hf(self, hf_name: str) -> TensorRef | None:
+        """The tensor a Hugging Face name denotes, or None if the family has no such tensor."""
+        m = _HF_LAYER.match(hf_name)
+        if m is None:
+            return next((TensorRef(None, t) for t in self.global_tensors if t.hf == hf_name), None)
+        return next((TensorRef(int(m.group(1)), t) for t in self.layer_tensors if t.hf == m.group(2)), None)
+
+    def tensor_by_gguf(self, gguf_name: str) -> TensorRef | None:
+        """The tensor a GGUF name denotes, or None if the family has no such tensor."""
+        m = _GGUF_LAYER.match(gguf_name)
+        if m is None:
+            return next((TensorRef(None, t) for t in self.global_tensors if t.gguf == gguf_name), None)
+        return next((TensorRef(int(m.group(1)), t) for t in self.layer_tensors if t.gguf == m.group(2)), None)
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyRegistry:
+    """The families nanoserve knows, in order. A value: `extended` returns a new registry, and
+    every reader takes one (defaulting to `nanoserve.model.families.FAMILIES`).
+
+    Invariants: names and architecture names are unique. Several families may share a GGUF
+    architecture (llama.cpp writes Mistral as `llama`); a file of that architecture reads as the
+    first of them.
+    """
+
+    families: tuple[Family, ...]
+
+    def __post_init__(self) -> None:
+        for what, values in (("name", [f.name for f in self.families]),
+                             ("architecture", [a for f in self.families for a in f.architectures])):
+            duplicates = sorted({v for v in values if values.count(v) > 1})
+            if duplicates:
+                raise ValueError(f"more than one family has the {what} {duplicates[0]!r}")
+
+    def extended(self, *families: Family) -> FamilyRegistry:
+        """This registry with `families` added after its own."""
+        return FamilyRegistry((*self.families, *families))
+
+    def __getitem__(self, name: str) -> Family:
+        family = next((f for f in self.families if f.name == name), None)
+        if family is None:
+            raise KeyError(f"no model family {name!r}; known: {[f.name for f in self.families]}")
+        return family
+
+    @property
+    def architectures(self) -> list[str]:
+        """Every config.json architecture name, sorted."""
+        return sorted(a for f in self.families for a in f.architectures)
+
+    @property
+    def gguf_architectures(self) -> list[str]:
+        """Every GGUF architecture name, sorted."""
+        return sorted({f.gguf.name for f in self.families if f.gguf is not None})
+
+    def for_hf_config(self, cfg: dict[str, Any]) -> Family | None:
+        """The family of a parsed config.json: by its first architecture any family claims, else by
+        its model_type; None if neither is known."""
+        for arch in cfg.get("architectures") or []:
+            family = next((f for f in self.families if arch in f.architectures), None)
+            if family is not None:
+                return family
+        return next((f for f in self.families if f.name == cfg.get("model_type")), None)
+
+    def for_gguf_arch(self, arch: str) -> Family | None:
+        """The first family stored as GGUF architecture `arch`, or None."""
+        return next((f for f in self.families if f.gguf is not None and f.gguf.name == arch), None)
