@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from nanoserve.model.config import RopeScaling
 from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps, TorchLayerOps, select_layer_ops
 from nanoserve.model.layers import rope_cos_sin, rope_inv_freq
+from nanoserve.model.weight_formats import DenseWeight
 from nanoserve.native import CSRC, FLAGS, load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
@@ -74,11 +75,11 @@ def test_linear(ops, any_rows, m, n, k, bias):
     # The kernel's at any size, whatever rows `ops.linear` leaves to torch's GEMM on this CPU.
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     tol = 1e-5 * max(1, k / 256)  # fp32 rounding of the sum grows with its length
-    torch.testing.assert_close(any_rows.linear(x, w, b).double(), exact, atol=tol, rtol=tol)
+    torch.testing.assert_close(any_rows.linear(x, DenseWeight(w), b).double(), exact, atol=tol, rtol=tol)
     # bf16 in and out, fp32 accumulation: the exact product of the bf16 inputs, rounded once.
     xb, wb, bb = x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()
     exact = F.linear(xb.double(), wb.double(), None if bb is None else bb.double())
-    got = any_rows.linear(xb, wb, bb)
+    got = any_rows.linear(xb, DenseWeight(wb), bb)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=2**-8)
 
@@ -105,14 +106,14 @@ def test_the_widening_bf16_loop_too(ops, tmp_path):
 
 def test_linear_leaves_large_fp32_or_odd_inputs_to_torch(ops):
     x, w = _randn(SMALL_M + 1, 64, seed=23), _randn(32, 64, seed=24)
-    assert torch.equal(ops.linear(x, w), F.linear(x, w))  # MKL's GEMM, bit for bit
+    assert torch.equal(ops.linear(x, DenseWeight(w)), F.linear(x, w))  # MKL's GEMM, bit for bit
     bf16_rows = ops.max_rows[torch.bfloat16]
     if bf16_rows is not None:  # a library with native bf16 products: beyond, torch's native bf16 GEMM
         xb = _randn(bf16_rows + 1, 64, seed=26).bfloat16()
-        assert torch.equal(ops.linear(xb, w.bfloat16()), F.linear(xb, w.bfloat16()))
+        assert torch.equal(ops.linear(xb, DenseWeight(w.bfloat16())), F.linear(xb, w.bfloat16()))
     w_t = _randn(64, 32, seed=25).t()  # a transposed view: not contiguous
-    assert torch.equal(ops.linear(x[:4], w_t), F.linear(x[:4], w_t))
-    assert torch.equal(ops.linear(x[:4].half(), w.half()), F.linear(x[:4].half(), w.half()))
+    assert torch.equal(ops.linear(x[:4], DenseWeight(w_t)), F.linear(x[:4], w_t))
+    assert torch.equal(ops.linear(x[:4].half(), DenseWeight(w.half())), F.linear(x[:4].half(), w.half()))
 
 
 @pytest.mark.parametrize("rows,dim", SIZES)
@@ -183,7 +184,7 @@ def test_threads_give_the_same_result(ops):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((ops.rms_norm(x, w, 1e-6), ops.silu_mul(gate_up), ops.linear(xs, ws)))
+            results.append((ops.rms_norm(x, w, 1e-6), ops.silu_mul(gate_up), ops.linear(xs, DenseWeight(ws))))
     finally:
         torch.set_num_threads(previous)
     for a, b in zip(*results, strict=True):

@@ -1,6 +1,8 @@
 """Weight loading: Hugging Face tensor names onto the fused parameters of `CausalLM`.
 
-q/k/v projections land in row slices of `qkv_proj`, gate/up in row slices of `gate_up_proj`.
+q/k/v projections land in row slices of `qkv_proj`, gate/up in row slices of `gate_up_proj`. Each
+destination is a `WeightDestination`: a tensor (norms, biases) or a `LinearWeight` or a slice of its
+rows, which stores the checkpoint's dense rows in its own format.
 Invariant after `load_weights` returns: every parameter slice was written exactly by the
 checkpoint, or a `MissingWeightsError` named what was absent.
 """
@@ -14,6 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from nanoserve.model.decoder import CausalLM
+from nanoserve.model.weight_formats import WeightDestination
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ class MissingWeightsError(ValueError):
     """The checkpoint lacks tensors the model needs, or has them in the wrong shape."""
 
 
-def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, str] | None:
+def _target(model: CausalLM, name: str) -> tuple[WeightDestination, str] | None:
     """Maps an HF tensor name to (destination view, key used to track coverage)."""
     if name == "model.embed_tokens.weight":
         return model.embed_tokens, "embed_tokens"
@@ -40,7 +43,7 @@ def _target(model: CausalLM, name: str) -> tuple[torch.Tensor, str] | None:
     attn, mlp, rest = layer.self_attn, layer.mlp, m.group(2)
     q, kv = attn.q_size, attn.kv_size
     slices = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-    direct: dict[str, torch.Tensor | None] = {
+    direct: dict[str, WeightDestination | None] = {
         "self_attn.o_proj.weight": attn.o_proj,
         "input_layernorm.weight": layer.input_layernorm.weight,
         "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
@@ -80,7 +83,8 @@ def expected_keys(model: CausalLM) -> set[str]:
 
 @torch.no_grad()
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copies checkpoint tensors (HF names) into the model, casting to the model's dtype."""
+    """Copies checkpoint tensors (HF names) into the model, casting to the model's dtype (each
+    destination converts to its format)."""
     seen: set[str] = set()
     for name, tensor in tensors:
         target = _target(model, name)
