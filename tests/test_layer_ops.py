@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve import native
 from nanoserve.model.config import RopeScaling
 from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps, TorchLayerOps, select_layer_ops
 from nanoserve.model.layers import rope_cos_sin, rope_inv_freq
@@ -204,13 +206,38 @@ def test_refuses_what_it_cannot_read(ops):
         ops.qk_norm_rope(torch.randn(4, 4 * 64), cos, sin, 2, 1, 64, None, None, 1e-6)
 
 
-def test_built_once_per_machine_and_source(tmp_path):
-    assert load_cpu_kernels(tmp_path) is not None
+def test_built_once_per_machine_and_source(tmp_path, monkeypatch):
+    lib = load_cpu_kernels(tmp_path)
+    assert lib is not None
     (built,) = (tmp_path / "kernels").glob("nanoserve_cpu-*.so")
     mtime = built.stat().st_mtime_ns
-    assert load_cpu_kernels(tmp_path) is not None
+    runs = []
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: runs.append(a))  # no compiler from here on
+    assert load_cpu_kernels(tmp_path) is lib  # once per process
+    native._load.cache_clear()  # as a new process would: the build on disk is reused
+    assert load_cpu_kernels(tmp_path) is not None and not runs  # the compiler neither asked its version nor run
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [built.name]  # no temporary left behind
     assert built.stat().st_mtime_ns == mtime
+
+
+def _declared_entry_points() -> dict[str, tuple[str, int]]:
+    """name -> (result type, number of parameters) of every function kernels.h declares."""
+    header = re.sub(r"//[^\n]*", "", (CSRC / "kernels.h").read_text())
+    return {name: (result, len([p for p in params.split(",") if p.strip()]))
+            for result, name, params in re.findall(r"\b(void|int)\s+(nanoserve_\w+)\(([^)]*)\);", header)}
+
+
+def test_one_signature_table_for_every_entry_point(ops):
+    """SIGNATURES covers exactly what kernels.h declares (each source includes the header, so the
+    compiler holds the definitions to it), with the declared result and number of parameters, and
+    the library was loaded with them."""
+    declared = _declared_entry_points()
+    assert set(re.findall(r"\bnanoserve_\w+", (CSRC / "kernels.h").read_text())) == set(declared)  # all parsed
+    assert len(declared) == 17 and set(native.SIGNATURES) == set(declared)
+    for name, (restype, argtypes) in native.SIGNATURES.items():
+        assert declared[name] == ("void" if restype is None else "int", len(argtypes)), name
+        fn = getattr(ops.lib, name)
+        assert fn.restype is restype and tuple(fn.argtypes) == argtypes, name
 
 
 def test_selection(monkeypatch, tmp_path):
