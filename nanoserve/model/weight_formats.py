@@ -15,7 +15,7 @@ which converts the dense checkpoint rows into the weight's format.
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, cast
 
 import torch
 from torch import nn
@@ -88,7 +88,14 @@ class DenseWeight(LinearWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         """Wraps `weight` [out, in] (shared, not copied)."""
         super().__init__(*weight.shape)
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        # Registered directly (nn.Module.__setattr__ would refuse the name of the property below).
+        self._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The registered parameter "weight", read without nn.Module.__getattr__'s fallback, as
+        `LayerOps.linear` does on every product; whatever `.to()` puts there."""
+        return cast(nn.Parameter, self._parameters["weight"])
 
     @classmethod
     def empty(cls, out_features: int, in_features: int, dtype: torch.dtype) -> DenseWeight:
