@@ -66,7 +66,7 @@ class LinearWeight(nn.Module):
         return torch.Size((self.out_features, self.in_features))
 
     def __getitem__(self, rows: slice) -> WeightDestination:
-        """The destination of rows `rows` (a slice with step 1) of W."""
+        """The destination of rows `rows` (a slice with step 1) of W; each format defines it."""
         raise NotImplementedError
 
     def copy_(self, src: torch.Tensor) -> LinearWeight:
