@@ -2,19 +2,27 @@
 
 The sources (`paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`, and `decoder.cpp`, which composes
 the other three; headers `simd.h` and `kernels.h`) include no torch header and need no ninja: one
-`g++ -O3 -march=native -fopenmp` call builds them in a few seconds.
+`g++ -O3 -march=native -fopenmp` call builds them.
 OpenMP resolves to the libgomp that torch has already loaded (same soname). The library goes to
 $NANOSERVE_CACHE/kernels under a name that hashes the sources, the flags, the compiler's version and
 the CPU's feature flags (it is built for the CPU it runs on); it is written under a temporary name
 and renamed into place, so a concurrent process sees either no file or a whole one.
 
-Invariant: `load_cpu_kernels` returns a loaded library or None (with a warning saying why); it
-never raises for a missing or failing compiler, so callers can fall back to torch.
+`kernels.h` declares every entry point (each source includes it, so a definition that drifts from
+its declaration fails to compile); `SIGNATURES` here gives each its ctypes result and argument
+types, set on the library once when it is loaded, so callers take a function with `getattr(lib,
+name)` (ctypes keeps that object on the library) and call it.
+
+Invariants: `load_cpu_kernels` returns a loaded library or None (with a warning saying why); it
+never raises for a missing or failing compiler, so callers can fall back to torch. It loads the
+library once per process for each compiler and cache folder (a loaded shared library is global to
+the process anyway), and asks the compiler its version and hashes the sources once per process.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -23,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -38,27 +47,90 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+
+class LayerWeights(ctypes.Structure):
+    """kernels.h's LayerWeights: one decoder layer's parameter addresses (None for a parameter the
+    family lacks), each weight dense in the model's dtype."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down")]
+
+
+class Signature(NamedTuple):
+    restype: type | None
+    argtypes: tuple[type, ...]
+
+
+_PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_LAYERS = ctypes.POINTER(LayerWeights)
+
+# Every entry point that kernels.h declares once per element type, as `name_<DTYPE_SUFFIX>`: the
+# declaration's result and parameters in order (a pointer of any element type is _PTR; int64_t _I64,
+# int _INT, float _F32).
+_PER_DTYPE = {
+    # layer_ops.cpp
+    "nanoserve_rms_norm": Signature(None, (_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT)),
+    "nanoserve_qk_norm_rope": Signature(None, (_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _F32,
+                                               _INT)),
+    "nanoserve_silu_mul": Signature(None, (_PTR, _PTR, _I64, _I64, _INT)),
+    # linear.cpp
+    "nanoserve_linear": Signature(None, (_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT)),
+    # paged_attention.cpp
+    "nanoserve_paged_attention": Signature(_INT, (_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                                  _I64, _I64, _I64, _F32, _INT)),
+    "nanoserve_write_kv": Signature(_INT, (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64)),
+    # decoder.cpp
+    "nanoserve_decoder_forward": Signature(_INT, (
+        _PTR, _F32, _F32, _LAYERS, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
+        _PTR, _PTR, _I64, _PTR, _INT)),
+    "nanoserve_draft_greedy": Signature(_INT, (
+        _PTR, _F32, _F32, _LAYERS, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR,
+        _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _F32, _PTR, _PTR, _INT)),
+}
+# The ctypes signature of every entry point of the library, by name.
+SIGNATURES: dict[str, Signature] = {
+    **{f"{name}_{suffix}": sig for name, sig in _PER_DTYPE.items() for suffix in DTYPE_SUFFIX.values()},
+    "nanoserve_linear_bf16_native": Signature(_INT, ()),  # linear.cpp
+}
+
+
 def load_cpu_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The library, compiled first if this machine has no build of the current sources yet; None
-    (with a warning) when it cannot be built or loaded."""
-    compiler = os.environ.get("CXX", "g++")
+    """The library (compiled first if this machine has no build of the current sources yet), its
+    entry points declared as `SIGNATURES` says; None (with a warning) when it cannot be built or
+    loaded. Cached: later calls with the same compiler ($CXX) and cache folder return the same object."""
+    return _load(os.environ.get("CXX", "g++"), (cache_dir or cache_root()) / "kernels")
+
+
+@functools.cache
+def _load(compiler: str, folder: Path) -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         log.warning("no C++ compiler (%s) found; nanoserve's CPU kernels are off", compiler)
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256()
-        for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), version.encode(),
-                     _cpu_features().encode()):
-            key.update(part)
-        path = (cache_dir or cache_root()) / "kernels" / f"nanoserve_cpu-{key.hexdigest()[:16]}.so"
+        path = folder / f"nanoserve_cpu-{_build_key(compiler)}.so"
         if not path.exists():
             _compile(compiler, path)
-        return ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
         log.warning("nanoserve's CPU kernels could not be built or loaded (%s); using torch", detail)
         return None
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+@functools.cache
+def _build_key(compiler: str) -> str:
+    """What names a build: a hash of the sources, the flags, the compiler's version and the CPU's
+    features. Raises CalledProcessError when the compiler does not run."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256()
+    for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), version.encode(),
+                 _cpu_features().encode()):
+        key.update(part)
+    return key.hexdigest()[:16]
 
 
 def _compile(compiler: str, path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 
@@ -18,9 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve import native
 from nanoserve.model.config import RopeScaling
 from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps, TorchLayerOps, select_layer_ops
 from nanoserve.model.layers import rope_cos_sin, rope_inv_freq
+from nanoserve.model.weight_formats import DenseWeight
 from nanoserve.native import CSRC, FLAGS, load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
@@ -74,11 +77,11 @@ def test_linear(ops, any_rows, m, n, k, bias):
     # The kernel's at any size, whatever rows `ops.linear` leaves to torch's GEMM on this CPU.
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     tol = 1e-5 * max(1, k / 256)  # fp32 rounding of the sum grows with its length
-    torch.testing.assert_close(any_rows.linear(x, w, b).double(), exact, atol=tol, rtol=tol)
+    torch.testing.assert_close(any_rows.linear(x, DenseWeight(w), b).double(), exact, atol=tol, rtol=tol)
     # bf16 in and out, fp32 accumulation: the exact product of the bf16 inputs, rounded once.
     xb, wb, bb = x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()
     exact = F.linear(xb.double(), wb.double(), None if bb is None else bb.double())
-    got = any_rows.linear(xb, wb, bb)
+    got = any_rows.linear(xb, DenseWeight(wb), bb)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=2**-8)
 
@@ -105,14 +108,14 @@ def test_the_widening_bf16_loop_too(ops, tmp_path):
 
 def test_linear_leaves_large_fp32_or_odd_inputs_to_torch(ops):
     x, w = _randn(SMALL_M + 1, 64, seed=23), _randn(32, 64, seed=24)
-    assert torch.equal(ops.linear(x, w), F.linear(x, w))  # MKL's GEMM, bit for bit
+    assert torch.equal(ops.linear(x, DenseWeight(w)), F.linear(x, w))  # MKL's GEMM, bit for bit
     bf16_rows = ops.max_rows[torch.bfloat16]
     if bf16_rows is not None:  # a library with native bf16 products: beyond, torch's native bf16 GEMM
         xb = _randn(bf16_rows + 1, 64, seed=26).bfloat16()
-        assert torch.equal(ops.linear(xb, w.bfloat16()), F.linear(xb, w.bfloat16()))
+        assert torch.equal(ops.linear(xb, DenseWeight(w.bfloat16())), F.linear(xb, w.bfloat16()))
     w_t = _randn(64, 32, seed=25).t()  # a transposed view: not contiguous
-    assert torch.equal(ops.linear(x[:4], w_t), F.linear(x[:4], w_t))
-    assert torch.equal(ops.linear(x[:4].half(), w.half()), F.linear(x[:4].half(), w.half()))
+    assert torch.equal(ops.linear(x[:4], DenseWeight(w_t)), F.linear(x[:4], w_t))
+    assert torch.equal(ops.linear(x[:4].half(), DenseWeight(w.half())), F.linear(x[:4].half(), w.half()))
 
 
 @pytest.mark.parametrize("rows,dim", SIZES)
@@ -183,7 +186,7 @@ def test_threads_give_the_same_result(ops):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((ops.rms_norm(x, w, 1e-6), ops.silu_mul(gate_up), ops.linear(xs, ws)))
+            results.append((ops.rms_norm(x, w, 1e-6), ops.silu_mul(gate_up), ops.linear(xs, DenseWeight(ws))))
     finally:
         torch.set_num_threads(previous)
     for a, b in zip(*results, strict=True):
@@ -203,13 +206,38 @@ def test_refuses_what_it_cannot_read(ops):
         ops.qk_norm_rope(torch.randn(4, 4 * 64), cos, sin, 2, 1, 64, None, None, 1e-6)
 
 
-def test_built_once_per_machine_and_source(tmp_path):
-    assert load_cpu_kernels(tmp_path) is not None
+def test_built_once_per_machine_and_source(tmp_path, monkeypatch):
+    lib = load_cpu_kernels(tmp_path)
+    assert lib is not None
     (built,) = (tmp_path / "kernels").glob("nanoserve_cpu-*.so")
     mtime = built.stat().st_mtime_ns
-    assert load_cpu_kernels(tmp_path) is not None
+    runs = []
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: runs.append(a))  # no compiler from here on
+    assert load_cpu_kernels(tmp_path) is lib  # once per process
+    native._load.cache_clear()  # as a new process would: the build on disk is reused
+    assert load_cpu_kernels(tmp_path) is not None and not runs  # the compiler neither asked its version nor run
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [built.name]  # no temporary left behind
     assert built.stat().st_mtime_ns == mtime
+
+
+def _declared_entry_points() -> dict[str, tuple[str, int]]:
+    """name -> (result type, number of parameters) of every function kernels.h declares."""
+    header = re.sub(r"//[^\n]*", "", (CSRC / "kernels.h").read_text())
+    return {name: (result, len([p for p in params.split(",") if p.strip()]))
+            for result, name, params in re.findall(r"\b(void|int)\s+(nanoserve_\w+)\(([^)]*)\);", header)}
+
+
+def test_one_signature_table_for_every_entry_point(ops):
+    """SIGNATURES covers exactly what kernels.h declares (each source includes the header, so the
+    compiler holds the definitions to it), with the declared result and number of parameters, and
+    the library was loaded with them."""
+    declared = _declared_entry_points()
+    assert set(re.findall(r"\bnanoserve_\w+", (CSRC / "kernels.h").read_text())) == set(declared)  # all parsed
+    assert len(declared) == 17 and set(native.SIGNATURES) == set(declared)
+    for name, (restype, argtypes) in native.SIGNATURES.items():
+        assert declared[name] == ("void" if restype is None else "int", len(argtypes)), name
+        fn = getattr(ops.lib, name)
+        assert fn.restype is restype and tuple(fn.argtypes) == argtypes, name
 
 
 def test_selection(monkeypatch, tmp_path):

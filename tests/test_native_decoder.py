@@ -1,7 +1,9 @@
 """The decoder in one native call (`NativeDecoder`) against `CausalLM.forward` on the same C++ layer
 ops and attention kernel: the same hidden states and the same K/V written, bit for bit, for every
-family, both dtypes, decodes, drafts and prefill chunks mixed, one and two threads; what it refuses;
-when it is built and which steps it takes; and that the engine's runners use it.
+family, both dtypes, decodes, drafts and prefill chunks mixed, one and two threads; what it refuses
+(out-of-range indices, and weights in a format it cannot read: the weight-format seam, checked with a
+second, int8 format defined here, which the loader fills and every product refuses by name); when it
+is built and which steps it takes; and that the engine's runners use it.
 
 `CausalLM.forward` itself is checked against transformers in test_model_parity.py. The library is
 built with the machine's g++ (CI machines have one); without a compiler these tests skip, and only
@@ -9,6 +11,8 @@ then, since the runner then has no native decoder."""
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 from collections import Counter
 
@@ -22,9 +26,14 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model import load_model
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.decoder import CausalLM
 from nanoserve.model.demo import demo_draft_path
 from nanoserve.model.layer_ops import NATIVE_BF16_M, SMALL_M, CpuLayerOps, TorchLayerOps
+from nanoserve.model.loader import iter_safetensors, safetensors_files
 from nanoserve.model.native_decoder import NativeDecoder
+from nanoserve.model.weight_formats import LinearWeight, UnsupportedWeightFormat
+from nanoserve.model.weights import load_weights
 from nanoserve.native import load_cpu_kernels
 
 from conftest import FAMILIES
@@ -144,6 +153,80 @@ def test_refuses_out_of_range_indices_having_written_nothing(make_checkpoint, ke
     assert torch.equal(kv, pool)
     with pytest.raises(ValueError, match="int64"):
         native(ids.int(), positions, kv, meta)
+
+
+class Int8RowWeight(LinearWeight):
+    """A second weight format: int8 values with one fp32 scale per row (symmetric, scale = the row's
+    largest magnitude / 127). No products exist for it, so every one must refuse it by name."""
+
+    format = "int8_rowwise"
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__(out_features, in_features)
+        self.register_buffer("values", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.zeros(out_features))
+
+    def __getitem__(self, rows: slice) -> _Int8Rows:
+        return _Int8Rows(self, rows)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scales[:, None]
+
+
+class _Int8Rows:
+    """A slice of an Int8RowWeight's rows, as a loader destination: quantizes what it is given."""
+
+    def __init__(self, weight: Int8RowWeight, rows: slice) -> None:
+        self.weight, self.rows = weight, rows
+        self.shape = weight.values[rows].shape
+
+    def copy_(self, src: torch.Tensor) -> None:
+        src = src.float()
+        scale = src.abs().amax(dim=1).clamp_min(1e-30) / 127
+        self.weight.values[self.rows] = torch.round(src / scale[:, None]).to(torch.int8)
+        self.weight.scales[self.rows] = scale
+
+
+def test_the_loader_fills_a_weight_of_another_format(make_checkpoint):
+    """load_weights writes into any LinearWeight through its row-slice destinations: a whole matrix
+    (o_proj) and the fused gate/up (two row slices), quantized, the rest as before."""
+    path = make_checkpoint("qwen2")
+    model = CausalLM(ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text())), torch.float32)
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    attn.o_proj = Int8RowWeight(*attn.o_proj.shape)
+    mlp.gate_up_proj = Int8RowWeight(*mlp.gate_up_proj.shape)
+    load_weights(model, iter_safetensors(safetensors_files(path)))
+    ckpt = load_file(path / "model.safetensors")
+    prefix = "model.layers.1."
+    expected = {"o": ckpt[prefix + "self_attn.o_proj.weight"],
+                "gate_up": torch.cat([ckpt[prefix + "mlp.gate_proj.weight"], ckpt[prefix + "mlp.up_proj.weight"]])}
+    for key, w in (("o", attn.o_proj), ("gate_up", mlp.gate_up_proj)):
+        assert isinstance(w, Int8RowWeight) and w.scales.min() > 0
+        error = (w.dequantize() - expected[key]).abs()
+        assert (error <= w.scales[:, None] / 2 + 1e-7).all()  # within half a step of each row's grid
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, ckpt[prefix + "mlp.down_proj.weight"])
+
+
+def test_refuses_a_weight_format_it_cannot_read(make_checkpoint, kernels, caplog):
+    """A model with one matrix in another format: `build` declines it (the runner then takes the
+    Python forward) and logs which; the constructor raises naming the layer and format; and both
+    LayerOps refuse the product by the format's name instead of reading its bytes as a matrix."""
+    ops, backend = kernels
+    model = _model(make_checkpoint, "qwen3", torch.float32, ops).model
+    assert NativeDecoder.build(model, backend) is not None
+    mlp = model.layers[1].mlp
+    quantized = Int8RowWeight(*mlp.down_proj.shape)
+    quantized.copy_(mlp.down_proj.weight)
+    mlp.down_proj = quantized
+    with caplog.at_level(logging.INFO, logger="nanoserve.model.native_decoder"):
+        assert NativeDecoder.build(model, backend) is None
+    assert "layers.1.mlp.down_proj in format 'int8_rowwise'" in caplog.text
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj in format 'int8_rowwise'"):
+        NativeDecoder(model, ops)
+    x = torch.randn(2, mlp.down_proj.in_features)
+    for layer_ops in (ops, TorchLayerOps()):
+        with pytest.raises(UnsupportedWeightFormat, match="int8_rowwise"):
+            layer_ops.linear(x, quantized)
 
 
 def test_engine_runners_use_it(demo_dir, monkeypatch):

@@ -1,7 +1,7 @@
 """The CPU attention backend: a C++ paged-attention kernel for every query, decode or prefill chunk.
 
-`TorchAttention` gathers each sequence's blocks into a padded copy before attending; at 64 decodes
-of a few hundred tokens that copy and SDPA's padded pass are about 40% of a step, and for prefill
+`TorchAttention` gathers each sequence's blocks into a padded copy before attending; at many decodes
+of a few hundred tokens that copy and SDPA's padded pass are a large part of a step, and for prefill
 chunks torch takes SDPA's math path over a materialised score matrix. The kernel in
 `nanoserve/csrc/paged_attention.cpp` reads K and V straight from the block pool, once per KV head
 for all the query heads that share it, with an online softmax. It cuts each sequence's new tokens
@@ -34,18 +34,8 @@ class PagedAttentionKernel:
     the library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._attend, self._write = {}, {}
-        for dtype, suffix in DTYPE_SUFFIX.items():
-            fn = getattr(lib, f"nanoserve_paged_attention_{suffix}")
-            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                           ctypes.c_int]
-            fn.restype = ctypes.c_int
-            self._attend[dtype] = fn
-            fn = getattr(lib, f"nanoserve_write_kv_{suffix}")
-            fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64]
-            fn.restype = ctypes.c_int
-            self._write[dtype] = fn
+        self._attend = {dtype: getattr(lib, f"nanoserve_paged_attention_{s}") for dtype, s in DTYPE_SUFFIX.items()}
+        self._write = {dtype: getattr(lib, f"nanoserve_write_kv_{s}") for dtype, s in DTYPE_SUFFIX.items()}
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
         return dtype in self._attend and head_dim in HEAD_DIMS

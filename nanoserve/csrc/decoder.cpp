@@ -3,11 +3,10 @@
 // Part of the CPU kernel library that nanoserve/native.py builds at first use (see there). It makes
 // the library calls that nanoserve.model.decoder.CausalLM.forward makes through CpuLayerOps and
 // CpuPagedAttention, in the same order, with the same arguments and thread count, so its output is
-// bit for bit theirs; what it saves is the Python between them: ~13 calls per layer, each a few
-// microseconds of interpreter, argument conversion and tensor allocation, which for a small model
-// or a single sequence cost as much as the arithmetic (a 2-layer draft's pass: ~0.55 ms of which
-// the products are ~0.1 ms). Only steps whose every product goes to linear.cpp come here (see
-// nanoserve/model/native_decoder.py); the rest stay on the Python path.
+// bit for bit theirs; what it saves is the Python between them: ~13 calls per layer, each with its
+// interpreter, argument conversion and tensor allocation, which for a small model or a single
+// sequence cost as much as the arithmetic. Only steps whose every product goes to linear.cpp come
+// here (see nanoserve/model/native_decoder.py); the rest stay on the Python path.
 //
 // Per layer, on the flat batch of n new tokens (hidden rows of the residual stream):
 //   normed = RMSNorm(residual += x)          x: the previous layer's MLP output (zeros at layer 0)
@@ -17,9 +16,9 @@
 //   x = (silu(gate) * up)(normed Wgu^T) Wdown^T
 // and at the end out = RMSNorm(residual += x).
 //
-// Layouts: as CausalLM holds them (weights [out, in] row-major); the cache [num_layers, 2,
-// num_blocks, block_size, num_kv_heads, head_dim]; cos and sin tables [table_len, head_dim] (row p:
-// position p); block_tables [num_seqs, table_stride]; out [n, hidden].
+// Layouts: as CausalLM holds them (weights dense [out, in] row-major: LayerWeights in kernels.h);
+// the cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; cos and sin tables
+// [table_len, head_dim] (row p: position p); block_tables [num_seqs, table_stride]; out [n, hidden].
 
 #include <algorithm>
 #include <cmath>
@@ -29,19 +28,6 @@
 
 #include "kernels.h"
 #include "simd.h"
-
-// One decoder layer's parameters (null: absent from this family), as native_decoder.py lays them out.
-struct LayerWeights {
-  const void* input_norm;  // [hidden]
-  const void* qkv;         // [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-  const void* qkv_bias;    // [(num_heads + 2 * num_kv_heads) * head_dim] (Qwen2) or null
-  const void* q_norm;      // [head_dim] (Qwen3) or null; null exactly when k_norm is
-  const void* k_norm;      // [head_dim] or null
-  const void* o_proj;      // [hidden, num_heads * head_dim]
-  const void* post_norm;   // [hidden]
-  const void* gate_up;     // [2 * intermediate, hidden]: gate rows, then up rows
-  const void* down;        // [hidden, intermediate]
-};
 
 namespace {
 

@@ -3,14 +3,13 @@
 // any number.
 //
 // Part of the CPU kernel library that nanoserve/native.py builds at first use (see there). A BLAS
-// GEMM is tuned for large M: on an AVX2 EPYC, MKL's fp32 GEMM takes 3-4.5x as long for 5 rows as
-// for 1, and torch's bf16 product, without native bf16 instructions, runs at ~10 GFLOP/s on one
-// core and moves half the bytes a matrix-vector product could. Here every row of W (in place,
-// [N, K] row-major as checkpoints store it: no packed copy) is read once for a whole block of rows
-// of x, while it sits in L1: each W vector feeds one FMA per row of x, so a single row runs at
-// memory speed and more rows add arithmetic, not traffic (the demo model's products: 5 rows cost
-// 2.2-2.5x one row). bf16 weights are widened to fp32 in registers (a shift), so a bf16 model streams half
-// the bytes of an fp32 one; accumulation is in fp32 and only the output is rounded to T.
+// GEMM is tuned for large M: MKL's fp32 GEMM costs several times as much for 5 rows as for 1, and
+// torch's bf16 product, without native bf16 instructions, is emulated and moves more bytes than a
+// matrix-vector product needs. Here every row of W (in place, [N, K] row-major as checkpoints store
+// it: no packed copy) is read once for a whole block of rows of x, while it sits in L1: each W
+// vector feeds one FMA per row of x, so a single row runs at memory speed and more rows add
+// arithmetic, not traffic. bf16 weights are widened to fp32 in registers (a shift), so a bf16 model
+// streams half the bytes of an fp32 one; accumulation is in fp32 and only the output is rounded to T.
 //
 // Structure: x in blocks of 64 rows (which stay in L2); for each, output columns are shared among
 // `num_threads` OpenMP threads in blocks of 64; in each, a few rows of W at a time against the rows
@@ -20,8 +19,7 @@
 // On CPUs with AVX512-BF16 (built with -march=native there) bf16 takes another inner loop: x stays
 // bf16 and each instruction (vdpbf16ps) multiplies 32 pairs of bf16 values exactly and adds them, two
 // by two, into 16 fp32 accumulators; no widening, and twice the multiply-adds of an fp32 FMA per
-// instruction (measured on a Zen 4 core: the demo model's products 3.4x faster for one row, 3.5x for
-// five). Its results differ from the widening loop's only in the order of the fp32 additions (and in
+// instruction. Its results differ from the widening loop's only in the order of the fp32 additions (and in
 // flushing subnormal inputs and results to zero, as the instruction does).
 //
 // Layouts (all contiguous): x [M, K], w [N, K], bias [N] or null, out [M, N].
@@ -52,7 +50,7 @@ constexpr int64_t kRowStreamK = 1024;      // vdpbf16ps, one row of x: from this
 // (stride K), with U vector accumulators per (m, j) over interleaved stretches of K, so that at
 // least eight independent FMA chains are in flight (an FMA's latency is four or five cycles, and two
 // issue per cycle). The next NW rows of W are prefetched meanwhile: the NW interleaved streams
-// defeat the hardware prefetcher (measured: ~5 -> ~8 GB/s for one row of x).
+// defeat the hardware prefetcher.
 template <typename T, int NW, int MX>
 inline void dot_block(const float* xf, const T* w, int64_t K, float (*res)[8]) {
   constexpr int U = MX * NW >= 8 ? 1 : MX * NW >= 4 ? 2 : 4;
@@ -101,9 +99,8 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // One row of x against one row of W with vdpbf16ps, over four accumulators (interleaved stretches of
 // 32 values) so that four chains are in flight. A single row of x takes W one row at a time: W then
-// streams as one sequential run, which the hardware prefetcher follows best (on one Zen 4 core, a W
-// beyond the caches streams at 18-23 GB/s this way against ~14 with eight rows read side by side, and
-// a W in cache at 73-87 against 61-74; software prefetches made both slower).
+// streams as one sequential run, which the hardware prefetcher follows best, from memory and from
+// cache alike (faster than eight rows read side by side; software prefetches only slow it).
 inline float dot_row_bf16(const uint16_t* x, const uint16_t* w, int64_t K) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   int64_t k = 0;
@@ -203,7 +200,7 @@ void columns(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t 
 }
 
 // One row of x streams W four rows at a time (each over two interleaved stretches of K: eight FMA
-// chains, four memory streams; eight streams measured ~8% slower on bf16 weights beyond L3); more
+// chains, four memory streams; eight streams are slower on bf16 weights beyond L3); more
 // rows of x take W two rows at a time against up to four of theirs, so that each W vector loaded
 // (and, for bf16, widened) feeds four FMAs. On the vdpbf16ps path, one row of x takes W one row at a
 // time (dot_row_bf16) where rows are long, else eight rows at a time (short rows: a reduction per row
@@ -233,7 +230,7 @@ void products(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t
       else
         column_range<X, T, dp ? 4 : 2>(xb, w, bias, ob, mb, N, K, begin, end);
     };
-    if (num_threads <= 1 || mb * N * K < kParallelWork) {  // no OpenMP region: ~1 us a call saved
+    if (num_threads <= 1 || mb * N * K < kParallelWork) {  // no OpenMP region to enter
       task_range(0, N);
       continue;
     }

@@ -8,6 +8,9 @@ only the attention backend knows about sequences.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +19,7 @@ from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layer_ops import LayerOps, TorchLayerOps
 from nanoserve.model.layers import RMSNorm, SwiGLU, empty_param, rope_cos_sin, rope_inv_freq
+from nanoserve.model.weight_formats import DenseWeight, LinearWeight
 
 
 class Attention(nn.Module):
@@ -31,9 +35,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.eps = cfg.rms_norm_eps
-        self.qkv_proj = empty_param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
+        self.qkv_proj: LinearWeight = DenseWeight.empty(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype)
         self.qkv_bias = empty_param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
-        self.o_proj = empty_param(cfg.hidden_size, self.q_size, dtype=dtype)
+        self.o_proj: LinearWeight = DenseWeight.empty(cfg.hidden_size, self.q_size, dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -76,20 +80,27 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head. Parameters are created empty; a loader
-    must fill every one (see `nanoserve.model.weights.load_weights`). `ops` carries out the
+    must fill every one (see `nanoserve.model.weights.load_weights`). The embedding table is a
+    dense `LinearWeight` [vocab, hidden] (its rows are gathered for the input tokens), and with tied
+    embeddings (`lm_head` None) it is the LM head too. `ops` carries out the
     elementwise steps (`TorchLayerOps` unless the engine picks fused kernels for its device).
     `inv_freq` is fixed at construction (no loader writes it), so the rotary tables of `rope`,
     built from it at first use, stay valid."""
+
+    inv_freq: torch.Tensor  # a buffer (registered in __init__)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.ops: LayerOps = TorchLayerOps()
-        self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = DenseWeight.empty(cfg.vocab_size, cfg.hidden_size, dtype)
+        # An nn.ModuleList (so its parameters are the model's), typed as the sequence it is.
+        self.layers = cast(Sequence[DecoderLayer],
+                           nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.lm_head: LinearWeight | None = (
+            None if cfg.tie_word_embeddings else DenseWeight.empty(cfg.vocab_size, cfg.hidden_size, dtype))
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
@@ -129,7 +140,7 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden_size] (normed)."""
-        residual = F.embedding(input_ids, self.embed_tokens)
+        residual = F.embedding(input_ids, self.embed_tokens.weight)
         cos, sin = self.rope(positions, residual.dtype)
         x = torch.zeros_like(residual)  # what the first layer adds into the stream
         for i, layer in enumerate(self.layers):
@@ -139,5 +150,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, vocab] for the given rows of hidden states."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.ops.linear(hidden, head).float()
+        return self.ops.linear(hidden, self.head).float()
+
+    @property
+    def head(self) -> LinearWeight:
+        """The LM head's weight [vocab, hidden]: `lm_head`, or the embedding table it is tied to."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head

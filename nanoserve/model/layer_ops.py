@@ -4,15 +4,16 @@ residual add before it, per-head q/k RMSNorm with rotary embedding, and SwiGLU's
 `TorchLayerOps` is the reference: F.linear and the Hugging Face numerics of
 `nanoserve.model.layers`, on any device, capturable in CUDA graphs. `CpuLayerOps` runs the same
 steps through nanoserve's C++ (`nanoserve/csrc/`): each elementwise step one call where torch makes
-3-15 (an RMSNorm of one row: seven torch calls, ~27 µs on one core of this AMD EPYC, against ~5 µs
-fused, most of it the Python around the call), and the products of a few rows (fp32, and bf16 on
-CPUs with AVX512-BF16) or of any number (bf16 elsewhere) through `linear.cpp`, which reads each row
-of the weight once for all rows of x.
+3-15 (most of an RMSNorm of one row in torch is the Python around its seven calls), and the products
+of a few rows (fp32, and bf16 on CPUs with AVX512-BF16) or of any number (bf16 elsewhere) through
+`linear.cpp`, which reads each row of the weight once for all rows of x.
 
 Invariants shared by both:
 - `rms_norm` with a residual adds x into the residual in place (residual += x, rounded to the
   dtype as torch's add is) and returns the norm of the sum: the pre-norm block's "h = h + sublayer;
   normed = norm(h)" in one step.
+- `linear` takes a `LinearWeight` and dispatches on its format; both take `DenseWeight` and raise
+  `UnsupportedWeightFormat` (naming the format) for any other.
 - `qk_norm_rope` returns q [n, heads, head_dim] and k [n, kv_heads, head_dim]; they may be views of
   qkv (CpuLayerOps rotates in place, so qkv's q and k columns are overwritten) or new tensors.
 """
@@ -20,18 +21,18 @@ Invariants shared by both:
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.model.layers import apply_rope, rms_norm
+from nanoserve.model.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
 from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
 
 
 class LayerOps(Protocol):
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+    def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -46,8 +47,10 @@ class LayerOps(Protocol):
 class TorchLayerOps:
     """The reference, in torch calls."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(w, DenseWeight):
+            raise UnsupportedWeightFormat("TorchLayerOps", w.format)
+        return F.linear(x, w.weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,9 +75,10 @@ class TorchLayerOps:
 
 # CpuLayerOps.linear's C++ product takes fp32 inputs of up to SMALL_M rows (MKL's GEMM is faster
 # beyond), and bf16 inputs of up to NATIVE_BF16_M rows where the library multiplies bf16 natively
-# (AVX512-BF16; torch's oneDNN GEMM then does too, and on the demo model's layers is as fast at ~24
-# rows and 1.36x faster at 64, but up to ~32 rows a step through NativeDecoder saves more than that)
-# or of any number where it does not (torch's bf16 GEMM is then emulated and 4x slower at 200 rows).
+# (AVX512-BF16; torch's oneDNN GEMM then does too and overtakes it in a few dozen rows, but up to
+# NATIVE_BF16_M a step through NativeDecoder saves more than that) or of any number where it does
+# not (torch's bf16 GEMM is then emulated, slower at every size). docs/architecture.md has the
+# measurements behind both cuts.
 SMALL_M = 16
 NATIVE_BF16_M = 32
 
@@ -92,18 +96,18 @@ class CpuLayerOps:
         # The most rows of x each dtype's products take here (None: any); F.linear takes the rest.
         self.max_rows: dict[torch.dtype, int | None] = {
             torch.float32: SMALL_M, torch.bfloat16: NATIVE_BF16_M if lib.nanoserve_linear_bf16_native() else None}
-        i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        self._linear, self._norm, self._rope, self._silu = {}, {}, {}, {}
-        for dtype, suffix in DTYPE_SUFFIX.items():
-            self._linear[dtype] = _bind(lib, f"nanoserve_linear_{suffix}", ptr, ptr, ptr, ptr, i64, i64, i64, i32)
-            self._norm[dtype] = _bind(lib, f"nanoserve_rms_norm_{suffix}", ptr, ptr, ptr, ptr, i64, i64, f32, i32)
-            self._rope[dtype] = _bind(lib, f"nanoserve_qk_norm_rope_{suffix}", ptr, i64, i64, i64, i64, i64, ptr,
-                                      ptr, ptr, ptr, f32, i32)
-            self._silu[dtype] = _bind(lib, f"nanoserve_silu_mul_{suffix}", ptr, ptr, i64, i64, i32)
+        self._linear = {dtype: getattr(lib, f"nanoserve_linear_{s}") for dtype, s in DTYPE_SUFFIX.items()}
+        self._norm = {dtype: getattr(lib, f"nanoserve_rms_norm_{s}") for dtype, s in DTYPE_SUFFIX.items()}
+        self._rope = {dtype: getattr(lib, f"nanoserve_qk_norm_rope_{s}") for dtype, s in DTYPE_SUFFIX.items()}
+        self._silu = {dtype: getattr(lib, f"nanoserve_silu_mul_{s}") for dtype, s in DTYPE_SUFFIX.items()}
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The C++ product for 2-D contiguous x of one dtype with its weight and bias, of at most
-        `max_rows[dtype]` rows; F.linear otherwise."""
+    def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """For a `DenseWeight`: the C++ product for 2-D contiguous x of one dtype with its weight and
+        bias, of at most `max_rows[dtype]` rows; F.linear otherwise. Other formats raise
+        `UnsupportedWeightFormat`."""
+        if not isinstance(w, DenseWeight):
+            raise UnsupportedWeightFormat("CpuLayerOps", w.format)
+        weight = w.weight
         limit = self.max_rows.get(x.dtype)
         if (x.dim() != 2 or x.dtype not in self.DTYPES or weight.dtype != x.dtype
                 or (limit is not None and x.shape[0] > limit)
@@ -146,14 +150,6 @@ class CpuLayerOps:
         self._silu[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                                   torch.get_num_threads())
         return out
-
-
-def _bind(lib: ctypes.CDLL, name: str, *argtypes: type) -> Callable[..., None]:
-    """The library's function `name`, declared with `argtypes` and no result."""
-    fn = getattr(lib, name)
-    fn.argtypes = list(argtypes)
-    fn.restype = None
-    return fn
 
 
 def _check(first: torch.Tensor, *others: torch.Tensor) -> None:

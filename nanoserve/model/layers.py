@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nanoserve.model.config import RopeScaling
+from nanoserve.model.weight_formats import DenseWeight, LinearWeight
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -76,5 +77,5 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = empty_param(2 * inter, hidden, dtype=dtype)
-        self.down_proj = empty_param(hidden, inter, dtype=dtype)
+        self.gate_up_proj: LinearWeight = DenseWeight.empty(2 * inter, hidden, dtype)
+        self.down_proj: LinearWeight = DenseWeight.empty(hidden, inter, dtype)

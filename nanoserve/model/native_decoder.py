@@ -12,6 +12,9 @@ It takes a step when all of that step's products would go to `linear.cpp` anyway
 AVX512-BF16, any number for bf16 elsewhere); beyond, `CpuLayerOps.linear` hands the products to torch's GEMM,
 which the C++ path does not reproduce. The model runner asks `fits` before each step.
 
+It reads every matrix in the dense format (`DenseWeight`) of the model's dtype: `build` declines a
+model with a weight in another format (logging which), and the runner then takes the Python forward.
+
 Invariant: the model's parameters stay where they were when the decoder was built (loaders fill
 them in place before the engine is built; nothing replaces them afterwards), since it holds their
 addresses.
@@ -19,7 +22,8 @@ addresses.
 
 from __future__ import annotations
 
-import ctypes
+import logging
+from typing import cast
 
 import torch
 
@@ -27,19 +31,19 @@ from nanoserve.attention.cpu_paged import CpuPagedAttention
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.layer_ops import CpuLayerOps
-from nanoserve.native import DTYPE_SUFFIX
+from nanoserve.model.weight_formats import DenseWeight, LinearWeight
+from nanoserve.native import DTYPE_SUFFIX, LayerWeights
 
-
-class LayerWeights(ctypes.Structure):
-    """decoder.cpp's LayerWeights: one layer's parameter addresses (None for a parameter the family lacks)."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down")]
+log = logging.getLogger(__name__)
 
 
 class NativeDecoder:
     def __init__(self, model: CausalLM, ops: CpuLayerOps) -> None:
-        """Use `build`, which checks that the model and backends are the ones this replaces."""
+        """Use `build`, which checks that the model and backends are the ones this replaces. Raises
+        ValueError, naming the layer and the format, for a weight this cannot read."""
+        unreadable = _unreadable_weight(model)
+        if unreadable is not None:
+            raise ValueError(f"the native decoder cannot read {unreadable}")
         cfg = model.cfg
         self.model = model
         self.dtype = model.dtype
@@ -52,33 +56,33 @@ class NativeDecoder:
         self.layers = (LayerWeights * len(model.layers))()
         for slot, layer in zip(self.layers, model.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            params = {"input_norm": layer.input_layernorm.weight, "qkv": attn.qkv_proj, "qkv_bias": attn.qkv_bias,
-                      "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
-                      "k_norm": None if attn.k_norm is None else attn.k_norm.weight, "o_proj": attn.o_proj,
-                      "post_norm": layer.post_attention_layernorm.weight, "gate_up": mlp.gate_up_proj,
-                      "down": mlp.down_proj}
+            params = {"input_norm": layer.input_layernorm.weight, "qkv": _dense(attn.qkv_proj),
+                      "qkv_bias": attn.qkv_bias, "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
+                      "k_norm": None if attn.k_norm is None else attn.k_norm.weight, "o_proj": _dense(attn.o_proj),
+                      "post_norm": layer.post_attention_layernorm.weight, "gate_up": _dense(mlp.gate_up_proj),
+                      "down": _dense(mlp.down_proj)}
             for name, param in params.items():
                 setattr(slot, name, None if param is None else param.data_ptr())
-        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        fn = getattr(ops.lib, f"nanoserve_decoder_forward_{DTYPE_SUFFIX[self.dtype]}")
-        fn.argtypes = [ptr, f32, f32, ctypes.POINTER(LayerWeights), ptr, ptr, ptr, ptr, i64, ptr, i64, i64, ptr, ptr,
-                       i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._forward = fn
-        draft = getattr(ops.lib, f"nanoserve_draft_greedy_{DTYPE_SUFFIX[self.dtype]}")
-        draft.argtypes = [*fn.argtypes[:6], ptr, i64, *fn.argtypes[6:-2], ptr, i64, f32, ptr, ptr, ctypes.c_int]
-        draft.restype = ctypes.c_int
-        self._draft_greedy = draft
+        self.embed = model.embed_tokens.weight
+        self.head = _dense(model.head)
+        self._forward = getattr(ops.lib, f"nanoserve_decoder_forward_{DTYPE_SUFFIX[self.dtype]}")
+        self._draft_greedy = getattr(ops.lib, f"nanoserve_draft_greedy_{DTYPE_SUFFIX[self.dtype]}")
 
     @classmethod
     def build(cls, model: CausalLM, backend: AttentionBackend) -> NativeDecoder | None:
-        """A decoder for `model` when its steps run on the C++ path (CpuLayerOps and the C++ attention
-        kernel for its dtype and head size, all of its parameters contiguous); None otherwise."""
+        """A decoder for `model` when its family declares one and its steps run on the C++ path
+        (CpuLayerOps and the C++ attention kernel for its dtype and head size, every weight dense,
+        all of its parameters contiguous CPU tensors of its dtype); None otherwise."""
         ops = model.ops
         if not (model.cfg.native_decoder and isinstance(ops, CpuLayerOps) and isinstance(backend, CpuPagedAttention)
-                and backend.kernel.supports(model.dtype, model.cfg.head_dim)
-                and all(p.is_contiguous() and p.device.type == "cpu" and p.dtype == model.dtype
-                        for p in model.parameters())):
+                and backend.kernel.supports(model.dtype, model.cfg.head_dim)):
+            return None
+        unreadable = _unreadable_weight(model)
+        if unreadable is not None:
+            log.info("no native decoder: it cannot read %s; steps take the Python forward", unreadable)
+            return None
+        if not all(p.is_contiguous() and p.device.type == "cpu" and p.dtype == model.dtype
+                   for p in model.parameters()):
             return None
         return cls(model, ops)
 
@@ -96,7 +100,7 @@ class NativeDecoder:
         cos, sin = self.model.rope_tables(max(meta.seq_lens_cpu, default=0), self.dtype)
         out = torch.empty(n, self.model.cfg.hidden_size, dtype=self.dtype)
         ran = self._forward(
-            self.dims.data_ptr(), self.eps, self.scale, self.layers, self.model.embed_tokens.data_ptr(),
+            self.dims.data_ptr(), self.eps, self.scale, self.layers, self.embed.data_ptr(),
             self.model.norm.weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], kv_cache.data_ptr(),
             num_blocks, block_size, input_ids.data_ptr(), positions.data_ptr(), n, meta.slot_mapping.data_ptr(),
             meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.seq_lens.data_ptr(),
@@ -125,13 +129,13 @@ class NativeDecoder:
         _, _, num_blocks, block_size, _, _ = kv_cache.shape
         max_budget = max(budgets)
         cos, sin = self.model.rope_tables(max(meta.seq_lens_cpu) + max_budget, self.dtype)
-        head = self.model.embed_tokens if self.model.lm_head is None else self.model.lm_head
         budget = torch.tensor(budgets, dtype=torch.int64)
         drafts = torch.empty(len(budgets), max_budget, dtype=torch.int64)
         counts = torch.empty(len(budgets), dtype=torch.int64)
         ran = self._draft_greedy(
-            self.dims.data_ptr(), self.eps, self.scale, self.layers, self.model.embed_tokens.data_ptr(),
-            self.model.norm.weight.data_ptr(), head.data_ptr(), min(vocab_size, head.shape[0]), cos.data_ptr(),
+            self.dims.data_ptr(), self.eps, self.scale, self.layers, self.embed.data_ptr(),
+            self.model.norm.weight.data_ptr(), self.head.data_ptr(), min(vocab_size, self.head.shape[0]),
+            cos.data_ptr(),
             sin.data_ptr(), cos.shape[0],
             kv_cache.data_ptr(), num_blocks, block_size, input_ids.data_ptr(), positions.data_ptr(),
             input_ids.shape[0], meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
@@ -149,6 +153,24 @@ class NativeDecoder:
             raise ValueError("the native decoder takes contiguous int64 CPU ids, positions and metadata")
         if kv_cache.dtype != self.dtype or not kv_cache.is_contiguous():
             raise ValueError("the native decoder takes a contiguous KV cache of the model's dtype")
+
+
+def _unreadable_weight(model: CausalLM) -> str | None:
+    """'<parameter> in format <format>' for the first matrix of `model` that is not dense; None when
+    every one is."""
+    named: list[tuple[str, LinearWeight]] = [("embed_tokens", model.embed_tokens)]
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        named += [(f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj), (f"layers.{i}.self_attn.o_proj", attn.o_proj),
+                  (f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj), (f"layers.{i}.mlp.down_proj", mlp.down_proj)]
+    if model.lm_head is not None:
+        named.append(("lm_head", model.lm_head))
+    return next((f"{name} in format {w.format!r}" for name, w in named if not isinstance(w, DenseWeight)), None)
+
+
+def _dense(w: LinearWeight) -> torch.Tensor:
+    """The tensor of a weight that `_unreadable_weight` passed."""
+    return cast(DenseWeight, w).weight
 
 
 def _raise_unless_ran(code: int) -> None:

@@ -1,7 +1,9 @@
 """Weight loading: checkpoint tensors onto the fused parameters of `CausalLM`, by the names its
 family declares (`nanoserve.model.families`).
 
-q/k/v projections land in row slices of `qkv_proj`, gate/up in row slices of `gate_up_proj`.
+q/k/v projections land in row slices of `qkv_proj`, gate/up in row slices of `gate_up_proj`. Each
+destination is a `WeightDestination`: a tensor (norms, biases) or a `LinearWeight` or a slice of its
+rows, which stores the checkpoint's dense rows in its own format.
 Invariant after `load_weights` returns: every parameter slice was written exactly by the
 checkpoint, or a `MissingWeightsError` named what was absent.
 """
@@ -17,6 +19,7 @@ from torch import nn
 
 from nanoserve.model.decoder import CausalLM, DecoderLayer
 from nanoserve.model.families import Family, TensorName
+from nanoserve.model.weight_formats import LinearWeight, WeightDestination
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ def _rows(layer: DecoderLayer, block: str) -> slice:
             "gate": slice(0, inter), "up": slice(inter, 2 * inter)}[block]
 
 
-def _destination(owner: nn.Module, tensor: TensorName) -> torch.Tensor | None:
+def _destination(owner: nn.Module, tensor: TensorName) -> WeightDestination | None:
     """The view of `owner` (the model, or a layer for a layer tensor) that `tensor` fills, or None
     if this model has no such parameter (an LM head tied to the embedding, a bias it lacks)."""
     dest: object = owner
@@ -42,14 +45,14 @@ def _destination(owner: nn.Module, tensor: TensorName) -> torch.Tensor | None:
         dest = getattr(dest, attr, None)
         if dest is None:
             return None
-    assert isinstance(dest, torch.Tensor), tensor.param
+    assert isinstance(dest, torch.Tensor | LinearWeight), tensor.param
     if tensor.rows is None:
         return dest
     assert isinstance(owner, DecoderLayer), tensor.param
     return dest[_rows(owner, tensor.rows)]
 
 
-def _target(model: CausalLM, family: Family, name: str) -> torch.Tensor | None:
+def _target(model: CausalLM, family: Family, name: str) -> WeightDestination | None:
     """The destination view of a Hugging Face tensor name, or None if the model has no use for it."""
     ref = family.tensor_by_hf(name)
     if ref is None:
@@ -69,7 +72,7 @@ def expected_keys(model: CausalLM, family: Family) -> set[str]:
 @torch.no_grad()
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], family: Family) -> None:
     """Copies checkpoint tensors (Hugging Face names of `family`) into the model, casting to the
-    model's dtype."""
+    model's dtype (each destination converts to its format)."""
     seen: set[str] = set()
     for name, tensor in tensors:
         dest = _target(model, family, name)
