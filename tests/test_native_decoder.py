@@ -25,7 +25,7 @@ from nanoserve.attention.cpu_paged import load_paged_attention
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.model import load_model
+from nanoserve.model import families, load_model
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.demo import demo_draft_path
@@ -195,7 +195,7 @@ def test_the_loader_fills_a_weight_of_another_format(make_checkpoint):
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
     attn.o_proj = Int8RowWeight(*attn.o_proj.shape)
     mlp.gate_up_proj = Int8RowWeight(*mlp.gate_up_proj.shape)
-    load_weights(model, iter_safetensors(safetensors_files(path)))
+    load_weights(model, iter_safetensors(safetensors_files(path)), families.FAMILIES[model.cfg.family])
     ckpt = load_file(path / "model.safetensors")
     prefix = "model.layers.1."
     expected = {"o": ckpt[prefix + "self_attn.o_proj.weight"],
