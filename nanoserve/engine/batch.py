@@ -4,8 +4,8 @@ Every forward pass goes through here: the runner's steps, the draft model's pass
 batches the CUDA graphs copy into their static buffers and the memory profile's synthetic step.
 The batch keeps the plan's order (decodes first, shortest context first: see `StepPlan`).
 
-This is on the per-step path: the index math runs in numpy (a few microseconds per operation where
-torch's CPU dispatch costs tens), and the arrays become tensors through `torch.from_numpy`.
+This is on the per-step path: the index math runs in numpy, whose calls cost less than torch's CPU
+dispatch, and the arrays become tensors through `torch.from_numpy` (never `torch.tensor` of a list).
 """
 
 from __future__ import annotations

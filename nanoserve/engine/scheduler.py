@@ -38,14 +38,14 @@ def _batch_order(item: tuple[Request, int]) -> tuple[bool, int]:
 
 @dataclass(slots=True)
 class StepPlan:
-    """Who runs this step and with how many new tokens: a sequence's n new tokens are
-    all_token_ids[num_computed_tokens:] followed by its draft tokens, if it has any.
+    """Who runs this step and with how many new tokens: a sequence's n new tokens are the first n
+    of all_token_ids[num_computed_tokens:] followed by its draft tokens, if it has any.
 
     Invariant (the batch order, decided here for every plan): `scheduled` lists the single-token
     sequences (decodes) first, shortest context first, then the multi-token ones (prefill chunks,
-    decodes with drafts) in the order given. The attention backends take the first `num_decodes`
-    sequences as decodes, and batch decodes of similar length together (torch_ref's chunks), so
-    less of each gather is padding."""
+    decodes with drafts) in the order given. The attention backends take the leading single-token
+    sequences as decodes (`AttentionMetadata.num_decodes`) and attend decodes of similar length
+    together (torch_ref's chunks), so less of each gather is padding."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -56,10 +56,6 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for _, n in self.scheduled if n == 1)
 
 
 class Scheduler:
