@@ -35,8 +35,8 @@ class Request:
     `0 <= num_computed_tokens <= len(all_token_ids)` (tokens whose K/V are in the cache); the
     next token is sampled when a step computes up to the last token. Draft tokens are not part of
     `all_token_ids`: a step that schedules them computes all_token_ids[-1:] + draft.tokens.
-    `draft` is None or holds at least one token, and lives for one step: the scheduler cuts it to
-    the step's budget (`Draft.truncate`) and drops it once the step is verified or preempted."""
+    `draft` is None or holds at least one token; the scheduler cuts it to the step's budget
+    (`Draft.truncate`) and drops it once the step that verifies it has run, or on preemption."""
 
     request_id: str
     prompt_token_ids: list[int]
