@@ -43,10 +43,8 @@ def forward_chunks(loaded: LoadedModel, chunks: list[list[list[int]]]) -> list[t
             done[s] += len(toks)
             qsl.append(qsl[-1] + len(toks))
             lens.append(done[s])
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), block_tables=block_tables[active], seq_lens=torch.tensor(lens),
-            query_start_loc_cpu=qsl, seq_lens_cpu=lens, num_decodes=0, block_size=BLOCK_SIZE,
-        )
+        meta = AttentionMetadata.build(slots, block_tables[active].numpy(), qsl, lens, num_decodes=0,
+                                       block_size=BLOCK_SIZE)
         hidden = model(torch.tensor(ids), torch.tensor(pos), kv, meta, TorchAttention())
         logits = model.compute_logits(hidden)
         for j, s in enumerate(active):
@@ -73,9 +71,8 @@ def paged_batch(specs: list[tuple[int, int]], block_size: int, num_blocks: int, 
         qsl.append(qsl[-1] + q_len)
     width = max(map(len, tables))
     seq_lens = [s for s, _ in specs]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        seq_lens=torch.tensor(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+    return AttentionMetadata.build(
+        slots, [t + [0] * (width - len(t)) for t in tables], qsl, seq_lens,
         num_decodes=next((i for i, (_, q) in enumerate(specs) if q > 1), len(specs)), block_size=block_size,
     )
 

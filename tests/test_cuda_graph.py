@@ -145,11 +145,8 @@ def test_interpreted_padding_rows_never_write_kv(make_checkpoint) -> None:
     graphs = DecodeGraphs(loaded.model, kv, cfg.num_key_value_heads, max_batch_size=4, max_model_len=16, block_size=4)
 
     def decode_meta(n: int) -> AttentionMetadata:  # n one-token sequences, sequence s in block s
-        return AttentionMetadata(
-            slot_mapping=torch.arange(n) * 4, block_tables=torch.arange(n)[:, None],
-            seq_lens=torch.ones(n, dtype=torch.long),
-            query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[1] * n, num_decodes=n, block_size=4,
-        )
+        return AttentionMetadata.build(slot_mapping=[4 * s for s in range(n)], block_tables=[[s] for s in range(n)],
+                                       query_start_loc=range(n + 1), seq_lens=[1] * n, num_decodes=n, block_size=4)
 
     ids = torch.tensor([11, 22, 33, 44])
     graphs.run(ids, torch.zeros(4, dtype=torch.long), decode_meta(4))

@@ -1,5 +1,5 @@
 """Decode attention in chunks (torch reference backend): the split itself, chunked results against
-one dense softmax per sequence, and the runner's ordering of decodes by context length."""
+one dense softmax per sequence, and the plan's ordering of decodes by context length."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from nanoserve.attention import AttentionMetadata, TorchAttention
 from nanoserve.attention.torch_ref import decode_chunks
-from nanoserve.engine.model_runner import _decodes_by_length
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.scheduler import StepPlan
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -42,11 +42,8 @@ def _decode_batch(seq_lens: list[int], block_size: int, num_blocks: int, seed: i
     width = max(map(len, tables))
     last = [n - 1 for n in seq_lens]  # each sequence's new token, whose K/V the step writes
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, last, strict=True)]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        seq_lens=torch.tensor(seq_lens), query_start_loc_cpu=list(range(len(seq_lens) + 1)),
-        seq_lens_cpu=seq_lens, num_decodes=len(seq_lens), block_size=block_size,
-    )
+    return AttentionMetadata.build(slots, [t + [0] * (width - len(t)) for t in tables], range(len(seq_lens) + 1),
+                                   seq_lens, num_decodes=len(seq_lens), block_size=block_size)
 
 
 def _dense_decodes(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -81,7 +78,7 @@ def test_chunked_decodes_match_dense_attention(sort, budget):
     torch.testing.assert_close(out, _dense_decodes(q, cache, meta, head_dim**-0.5), atol=1e-5, rtol=1e-5)
 
 
-def test_runner_orders_decodes_by_context_length():
+def test_plan_orders_decodes_by_context_length():
     def req(computed: int) -> Request:
         r = Request(f"r{computed}", list(range(computed + 1)), SamplingParams(), arrival=0)
         r.num_computed_tokens = computed
@@ -89,7 +86,7 @@ def test_runner_orders_decodes_by_context_length():
 
     decodes = [(req(n), 1) for n in (50, 7, 300, 7, 20)]
     prefills = [(req(0), 9), (req(3), 4)]
-    ordered = _decodes_by_length(decodes + prefills)
+    ordered = StepPlan(prefills[:1] + decodes + prefills[1:]).scheduled
     assert [r.num_computed_tokens for r, _ in ordered[:5]] == [7, 7, 20, 50, 300]
     assert ordered[1][0] is decodes[3][0]  # stable among equal lengths
     assert ordered[5:] == prefills

@@ -184,10 +184,8 @@ def test_stand_in_reads_its_answer_from_the_cache():
             pos: list[int] = positions) -> int:
         """Computes tokens[start:end] of the sequence (the ones before are in `cache`)."""
         n = end - start
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping[start:end]),
-                                 block_tables=torch.tensor([tables]), seq_lens=torch.tensor([end]),
-                                 query_start_loc_cpu=[0, n], seq_lens_cpu=[end], num_decodes=int(n == 1),
-                                 block_size=bs)
+        meta = AttentionMetadata.build(slot_mapping[start:end], [tables], [0, n], [end], num_decodes=int(n == 1),
+                                       block_size=bs)
         hidden = model(torch.tensor(tokens[start:end]), torch.tensor(pos[start:end]), cache, meta, None)  # type: ignore[arg-type]
         logits = model.compute_logits(hidden[-1:])
         assert logits.shape == (1, model.vocab_size) and logits.dtype == torch.float32

@@ -64,10 +64,7 @@ def make_batch(specs: list[tuple[int, int]], block_size: int, num_blocks: int, s
     seq_lens = [s for s, _ in specs]
     num_decodes = next((i for i, (_, q) in enumerate(specs) if q > 1), len(specs))
     assert all(q > 1 for _, q in specs[num_decodes:])
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=block_tables, seq_lens=torch.tensor(seq_lens),
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, num_decodes=num_decodes, block_size=block_size,
-    )
+    return AttentionMetadata.build(slots, block_tables.numpy(), qsl, seq_lens, num_decodes, block_size)
 
 
 def compare(backend: AttentionBackend, meta: AttentionMetadata, num_heads: int, num_kv_heads: int,

@@ -12,37 +12,62 @@ token at position p of a sequence lives in block `block_tables[s, p // block_siz
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Everything attention needs to read and write paged K/V for one step.
+    """Everything attention needs to read and write paged K/V for one step; made by `build`.
 
     Invariants: `query_start_loc[0] == 0`, `query_start_loc[-1] == num_tokens`; for every
     sequence `seq_lens[s] >= query_len(s) >= 1` (the new tokens are the last ones of the
-    sequence); `block_tables` rows cover at least `ceil(seq_lens[s] / block_size)` blocks.
-    The `*_cpu` lists mirror the tensors so Python loops need no device sync.
+    sequence), except the padding rows of a CUDA-graph batch (`seq_lens[s] == 0`, slot -1);
+    `block_tables` rows cover at least `ceil(seq_lens[s] / block_size)` blocks. The `*_cpu`
+    lists mirror the tensors so Python loops need no device sync.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     seq_lens: torch.Tensor  # [num_seqs] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64, always on the CPU (the C++ kernels read it)
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     num_decodes: int
     block_size: int
-    # Derived once per step from query_start_loc_cpu (every layer's attention reads it):
-    query_start_loc: torch.Tensor = field(init=False)  # [num_seqs + 1] int64, on the CPU
 
-    def __post_init__(self) -> None:
-        self.query_start_loc = torch.tensor(self.query_start_loc_cpu, dtype=torch.int64)
+    @classmethod
+    def build(cls, slot_mapping: ArrayLike, block_tables: ArrayLike, query_start_loc: ArrayLike,
+              seq_lens: ArrayLike, num_decodes: int, block_size: int,
+              device: torch.device | None = None) -> AttentionMetadata:
+        """The metadata of flat host arrays (int64 numpy arrays, or what `np.asarray` makes one of),
+        its tensors on `device` (default: the CPU, where they share memory with the arrays).
+        `block_tables` is [num_seqs, max_blocks], padded."""
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        return cls(
+            slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
+            block_tables=torch.from_numpy(np.asarray(block_tables, dtype=np.int64)).to(device),
+            seq_lens=torch.from_numpy(lens).to(device), query_start_loc=torch.from_numpy(qsl),
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens.tolist(), num_decodes=num_decodes,
+            block_size=block_size,
+        )
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def head(self, n: int) -> AttentionMetadata:
+        """The metadata of the first n sequences alone: views of these tensors, no copy."""
+        end = self.query_start_loc_cpu[n]
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:end], block_tables=self.block_tables[:n], seq_lens=self.seq_lens[:n],
+            query_start_loc=self.query_start_loc[: n + 1], query_start_loc_cpu=self.query_start_loc_cpu[: n + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:n], num_decodes=min(self.num_decodes, n), block_size=self.block_size,
+        )
 
 
 class AttentionBackend(ABC):

@@ -51,7 +51,7 @@ def decode_chunks(seq_lens: list[int], block_size: int, budget: int) -> list[tup
     """Splits decode sequences 0..len(seq_lens) into consecutive ranges [a, b) whose gathered,
     padded K/V (rows x longest context, in whole blocks) stays within `budget` tokens, or holds a
     single sequence. Every sequence lands in exactly one range, in order; the split is cheapest when
-    the sequences come sorted by length (the runner orders decodes so)."""
+    the sequences come sorted by length (`StepPlan` orders decodes so)."""
     chunks: list[tuple[int, int]] = []
     start, longest = 0, 0
     for i, n in enumerate(seq_lens):

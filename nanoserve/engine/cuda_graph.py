@@ -24,11 +24,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from nanoserve.attention import AttentionMetadata, TritonAttention
 
 if TYPE_CHECKING:
+    from nanoserve.engine.batch import PreparedBatch
     from nanoserve.engine.model_runner import Model
 
 log = logging.getLogger(__name__)
@@ -68,20 +70,23 @@ class DecodeGraphs:
                  max_model_len: int, block_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.block_size = block_size
         self.device = kv_cache.device
         self.sizes = capture_sizes(max_batch_size)
         top = self.sizes[-1]
         dev = self.device
         self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
         self.positions = torch.zeros(top, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.zeros(top, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(top, -(-max_model_len // block_size), dtype=torch.long, device=dev)
+        # Static buffers: a batch of `top` padding rows. Its host-side lists are placeholders: the
+        # fixed-split Triton decode path reads only the tensors.
+        self.meta = AttentionMetadata.build(
+            slot_mapping=np.full(top, -1), block_tables=np.zeros((top, -(-max_model_len // block_size)), np.int64),
+            query_start_loc=np.arange(top + 1), seq_lens=np.zeros(top, np.int64), num_decodes=top,
+            block_size=block_size, device=dev,
+        )
         # Off CUDA (the interpreter tests) a small stand-in still gives several splits per row.
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        self.backends = {bs: TritonAttention(num_splits=decode_splits(bs, num_kv_heads, num_sms))
-                         for bs in self.sizes}
+        self.backends = {size: TritonAttention(num_splits=decode_splits(size, num_kv_heads, num_sms))
+                         for size in self.sizes}
         self._captured: dict[int, _Captured] = {}
         if dev.type == "cuda":
             self._capture()
@@ -90,42 +95,37 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def fits(self, meta: AttentionMetadata, num_sampled: int) -> bool:
+    def fits(self, batch: PreparedBatch) -> bool:
         """True for a decode step a graph can run: every sequence has one query token, sampled at
         its end (so the logits rows are the sequences in order), and there are few enough."""
-        n = meta.num_seqs
-        return meta.num_decodes == n == num_sampled and n <= self.max_batch_size
+        n = batch.meta.num_seqs
+        return batch.meta.num_decodes == n == len(batch.sampled) and n <= self.max_batch_size
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [n, vocab] of a decode step that `fits`. The result is a view of the graph's
         output buffer: read it before the next `run`."""
         n = meta.num_seqs
-        bs = next(s for s in self.sizes if s >= n)
+        size = next(s for s in self.sizes if s >= n)
+        static = self.meta
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        self.input_ids[n:bs].zero_()
-        self.positions[n:bs].zero_()
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[n:bs].zero_()
-        captured = self._captured.get(bs)
+        static.slot_mapping[:n].copy_(meta.slot_mapping)
+        static.seq_lens[:n].copy_(meta.seq_lens)
+        static.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.input_ids[n:size].zero_()
+        self.positions[n:size].zero_()
+        static.slot_mapping[n:size].fill_(-1)
+        static.seq_lens[n:size].zero_()
+        captured = self._captured.get(size)
         if captured is None:  # off CUDA: the same padded step, eagerly
-            return self._step(bs)[:n]
+            return self._step(size)[:n]
         captured.graph.replay()
         return captured.logits[:n]
 
-    def _step(self, bs: int) -> torch.Tensor:
-        """The captured computation: model forward and logits over the first bs buffer rows. The
-        metadata's host-side lists are placeholders; the fixed-split Triton decode path reads only
-        the tensors."""
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs, num_decodes=bs,
-            block_size=self.block_size,
-        )
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_cache, meta, self.backends[bs])
+    def _step(self, size: int) -> torch.Tensor:
+        """The captured computation: model forward and logits over the first `size` buffer rows."""
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self.meta.head(size),
+                            self.backends[size])
         return self.model.compute_logits(hidden)
 
     def _capture(self) -> None:
@@ -134,13 +134,13 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
-            for bs in reversed(self.sizes):
-                self._step(bs)  # warm-up: compiles the Triton kernels and sets up cuBLAS outside capture
+            for size in reversed(self.sizes):
+                self._step(size)  # warm-up: compiles the Triton kernels and sets up cuBLAS outside capture
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self._step(bs)
-                self._captured[bs] = _Captured(graph, logits)
+                    logits = self._step(size)
+                self._captured[size] = _Captured(graph, logits)
         torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s", len(self.sizes),
                  self.max_batch_size, time.perf_counter() - start)

@@ -70,8 +70,6 @@ class DraftModelProposer:
         any_greedy = any(req.params.greedy for req, _, _ in active)
         step = 0
         while active:
-            # Single-token sequences first, as a plan must list them; logits rows follow `rows`.
-            active.sort(key=lambda a: a[1].seq.num_tokens - a[1].seq.num_computed_tokens > 1)
             plan = StepPlan([(s.seq, s.seq.num_tokens - s.seq.num_computed_tokens) for _, s, _ in active])
             if all(req.params.greedy for req, _, _ in active):  # the passes left in one native call, where it runs
                 native = self.runner.draft_greedy(plan, {s.seq: k - step for _, s, k in active}, self.min_confidence)
@@ -81,11 +79,12 @@ class DraftModelProposer:
                         shadow.seq.all_token_ids += native[shadow.seq]
                         shadow.seq.num_computed_tokens = shadow.seq.num_tokens - 1  # all but the last draft
                     break
-            logits, rows, _ = self.runner.forward(plan)
-            # Greedy rows draft the argmax (q is a point mass: nothing to keep); sampled rows draw from
-            # q, all in one `sampling_probs`, each with one uniform from its own stream.
+            logits, batch = self.runner.forward(plan)
+            # Logits rows follow `batch.sampled` (the plan's order). Greedy rows draft the argmax (q is
+            # a point mass: nothing to keep); sampled rows draw from q, all in one `sampling_probs`,
+            # each with one uniform from its own stream.
             by_seq = {shadow.seq: (req, shadow) for req, shadow, _ in active}
-            pairs = [by_seq[seq] for seq in rows]
+            pairs = [by_seq[seq] for seq in batch.sampled]
             tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist() if any_greedy else [0] * len(pairs)
             sampled = [row for row, (req, _) in enumerate(pairs) if not req.params.greedy]
             if sampled:

@@ -198,8 +198,8 @@ class LLMEngine:
         result = self.runner.execute(plan)
         rejected = {}
         for req, kept in result.verified:
-            rejected[req] = len(req.spec_token_ids) + 1 - len(kept)
-            self.spec_stats.record(len(req.spec_token_ids), len(kept) - 1)
+            rejected[req] = req.num_draft_tokens + 1 - len(kept)
+            self.spec_stats.record(req.num_draft_tokens, len(kept) - 1)
             if self.proposer is not None:
                 self.proposer.accepted(req, len(kept) - 1)
         self.scheduler.advance(plan, rejected)
@@ -268,7 +268,7 @@ class LLMEngine:
                 budgets.append(k)
         if candidates:
             for req, proposal in zip(candidates, self.proposer.propose(candidates, budgets), strict=True):
-                req.spec_token_ids, req.spec_probs = proposal.tokens, proposal.probs
+                req.draft = proposal if proposal.tokens else None
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.finish(req, reason)

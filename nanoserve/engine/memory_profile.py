@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from nanoserve.attention import AttentionBackend, AttentionMetadata
+from nanoserve.attention import AttentionBackend
+from nanoserve.engine.batch import prepare_batch
+from nanoserve.engine.request import Request
+from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.scheduler import StepPlan
+from nanoserve.kv.manager import BlockTable
 
 if TYPE_CHECKING:
     from nanoserve.engine.model_runner import KVShape, Model
@@ -42,27 +46,28 @@ def _sequence_lens(num_tokens: int, max_model_len: int) -> list[int]:
     return [max_model_len] * full + ([rest] if rest else [])
 
 
+def synthetic_plan(num_tokens: int, max_model_len: int, block_size: int) -> StepPlan:
+    """The largest step of prompt tokens: `num_tokens` of them (all 0), in fresh sequences of at
+    most `max_model_len` tokens, each in its own run of blocks of a scratch pool numbered from 0."""
+    scheduled: list[tuple[Request, int]] = []
+    first = 0
+    for i, n in enumerate(_sequence_lens(num_tokens, max_model_len)):
+        blocks = list(range(first, first + -(-n // block_size)))
+        scheduled.append((Request(f"profile-{i}", [0] * n, SamplingParams(), arrival=i, table=BlockTable(blocks)), n))
+        first += len(blocks)
+    return StepPlan(scheduled)
+
+
 def scratch_prefill(model: Model, kv_shape: KVShape, num_tokens: int, max_model_len: int, block_size: int,
                     backend: AttentionBackend, device: torch.device) -> torch.Tensor:
-    """One forward pass of `num_tokens` prompt tokens (fresh sequences of at most `max_model_len`)
-    on a scratch KV pool made for it and dropped after; returns the hidden states."""
-    lens = _sequence_lens(num_tokens, max_model_len)
-    blocks = [-(-n // block_size) for n in lens]
-    pool = torch.zeros(kv_shape.num_layers, 2, sum(blocks), block_size, kv_shape.num_kv_heads, kv_shape.head_dim,
+    """One forward pass of `synthetic_plan` on a scratch KV pool made for it and dropped after;
+    returns the hidden states."""
+    plan = synthetic_plan(num_tokens, max_model_len, block_size)
+    num_blocks = sum(len(seq.table.blocks) for seq, _ in plan.scheduled)
+    pool = torch.zeros(kv_shape.num_layers, 2, num_blocks, block_size, kv_shape.num_kv_heads, kv_shape.head_dim,
                        dtype=model.dtype, device=device)
-    first = np.cumsum([0, *blocks])
-    tables = np.zeros((len(lens), max(blocks)), dtype=np.int64)
-    for row, (start, nb) in enumerate(zip(first, blocks, strict=False)):
-        tables[row, :nb] = np.arange(start, start + nb)
-    positions = np.concatenate([np.arange(n) for n in lens])
-    slots = np.concatenate([first[i] * block_size + np.arange(n) for i, n in enumerate(lens)])
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device), block_tables=torch.from_numpy(tables).to(device),
-        seq_lens=torch.tensor(lens, device=device), query_start_loc_cpu=np.cumsum([0, *lens]).tolist(),
-        seq_lens_cpu=lens, num_decodes=0, block_size=block_size,
-    )
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    return model(ids, torch.from_numpy(positions).to(device), pool, meta, backend)
+    batch = prepare_batch(plan, block_size, device)
+    return model(batch.input_ids, batch.positions, pool, batch.meta, backend)
 
 
 def activation_peak_bytes(model: Model, kv_shape: KVShape, num_tokens: int, num_logits: int, max_model_len: int,

@@ -8,18 +8,17 @@ a captured CUDA graph (`cuda_graph`), or on the CPU the whole decoder in one nat
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple, Protocol
 
-import numpy as np
 import torch
 
 from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from nanoserve.engine.batch import PreparedBatch, prepare_batch
 from nanoserve.engine.cuda_graph import DecodeGraphs
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
-from nanoserve.engine.spec_decode import verify, verify_greedy
+from nanoserve.engine.spec_decode import Proposal, verify, verify_greedy
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.native_decoder import NativeDecoder
 
@@ -54,11 +53,10 @@ class StepResult(NamedTuple):
     verified: list[tuple[Request, list[int]]]
 
 
-def _decodes_by_length(scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-    """The plan's sequences with the single-token ones (decodes) first, shortest context first,
-    and the multi-token ones after them in plan order: attention backends batch decodes of
-    similar length together (torch_ref's chunks), so less of each gather is padding."""
-    return sorted(scheduled, key=lambda item: (item[1] > 1, item[0].num_computed_tokens if item[1] == 1 else 0))
+def _proposal(req: Request) -> Proposal:
+    """The draft a sequence carries, as every proposer makes it."""
+    assert isinstance(req.draft, Proposal), "drafts come from a Proposer"
+    return req.draft
 
 
 class ModelRunner:
@@ -86,17 +84,16 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, num_kv_heads, max_batch_size, max_model_len,
                                           self.block_size)
 
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request], list[Request]]:
-        """One forward pass over the plan: logits at the rows to sample (see `_prepare`), the plain
-        sequences that reached their end, and the sequences with drafts."""
-        meta, input_ids, positions, sample_rows, sample_reqs, spec_reqs = self._prepare(plan)
-        if self.decode_graphs is not None and self.decode_graphs.fits(meta, len(sample_reqs)):
-            return self.decode_graphs.run(input_ids, positions, meta), sample_reqs, spec_reqs
-        if self.native is not None and self.native.fits(input_ids.shape[0]):
-            hidden = self.native(input_ids, positions, self.kv_cache, meta)
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, PreparedBatch]:
+        """One forward pass over the plan: the logits at the batch's `logits_rows`, and the batch."""
+        batch = prepare_batch(plan, self.block_size, self.device)
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta), batch
+        if self.native is not None and self.native.fits(batch.num_tokens):
+            hidden = self.native(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
         else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
-        return self.model.compute_logits(hidden[sample_rows]), sample_reqs, spec_reqs
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.backend)
+        return self.model.compute_logits(hidden[batch.logits_rows]), batch
 
     def draft_greedy(self, plan: StepPlan, budgets: dict[Request, int],
                      min_confidence: float) -> dict[Request, list[int]] | None:
@@ -106,100 +103,52 @@ class ModelRunner:
         native decoder does not take the step, and the caller drafts pass by pass."""
         if self.native is None or not self.native.fits(plan.num_tokens):
             return None
-        meta, input_ids, positions, _, seqs, _ = self._prepare(plan)
-        drafts = self.native.draft_greedy(input_ids, positions, self.kv_cache, meta, [budgets[s] for s in seqs],
-                                          min_confidence, self.vocab_size)
-        return dict(zip(seqs, drafts, strict=True))
+        batch = prepare_batch(plan, self.block_size, self.device)
+        drafts = self.native.draft_greedy(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
+                                          [budgets[s] for s in batch.sampled], min_confidence, self.vocab_size)
+        return dict(zip(batch.sampled, drafts, strict=True))
 
     def execute(self, plan: StepPlan) -> StepResult:
-        logits, sample_reqs, spec_reqs = self.forward(plan)
+        logits, batch = self.forward(plan)
+        num_sampled = len(batch.sampled)
         sampled = SamplerOutput([], None, None)
-        if sample_reqs:
-            sampled = self.sampler(logits[: len(sample_reqs)], self._sampling_batch(sample_reqs))
-        return StepResult(sample_reqs, sampled, self._verify(logits[len(sample_reqs) :], spec_reqs))
+        if num_sampled:
+            sampled = self.sampler(logits[:num_sampled], self._sampling_batch(batch.sampled))
+        return StepResult(batch.sampled, sampled, self._verify(logits[num_sampled:], batch.verified))
 
-    def _verify(self, logits: torch.Tensor, spec_reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+    def _verify(self, logits: torch.Tensor, verified: list[Request]) -> list[tuple[Request, list[int]]]:
         """The kept tokens of each sequence with drafts; `logits` holds its last token's row and one
         row per draft, sequence after sequence. Greedy sequences share one argmax over all rows;
         sampled ones one `sampling_probs` and one batched `verify`."""
         kept: dict[Request, list[int]] = {}
-        greedy: list[tuple[Request, int]] = []  # (sequence, its first row)
+        greedy: list[tuple[Request, list[int], int]] = []  # (sequence, its drafts, its first row)
         sampled_rows: list[int] = []
-        sampled: list[Request] = []
+        sampled: list[tuple[Request, Proposal]] = []
         row = 0
-        for req in spec_reqs:
-            k = len(req.spec_token_ids)
+        for req in verified:
+            draft = _proposal(req)
+            k = len(draft.tokens)
             if req.params.greedy:
-                greedy.append((req, row))
+                greedy.append((req, draft.tokens, row))
             else:
                 sampled_rows.extend(range(row, row + k + 1))
-                sampled.append(req)
+                sampled.append((req, draft))
             row += k + 1
         if greedy:
             argmax = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-            for req, row in greedy:
-                kept[req] = verify_greedy(argmax[row : row + len(req.spec_token_ids) + 1], req.spec_token_ids)
+            for req, tokens, row in greedy:
+                kept[req] = verify_greedy(argmax[row : row + len(tokens) + 1], tokens)
         if sampled:
-            params = [r.params for r in sampled for _ in range(len(r.spec_token_ids) + 1)]
+            params = [r.params for r, d in sampled for _ in range(len(d.tokens) + 1)]
             targets = sampling_probs(logits[sampled_rows], params, self.vocab_size)
-            outs = verify(targets, [r.spec_token_ids for r in sampled], [r.spec_probs for r in sampled],
-                          [self._generator(r) for r in sampled])
-            kept.update(zip(sampled, outs, strict=True))
-        return [(req, kept[req]) for req in spec_reqs]
+            outs = verify(targets, [d.tokens for _, d in sampled], [d.probs for _, d in sampled],
+                          [self._generator(r) for r, _ in sampled])
+            kept.update(zip([r for r, _ in sampled], outs, strict=True))
+        return [(req, kept[req]) for req in verified]
 
     def release(self, req: Request) -> None:
         """Forgets a finished request's generator."""
         self._generators.pop(req.key, None)
-
-    def _prepare(self, plan: StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                 list[Request], list[Request]]:
-        """Flat batch tensors, decodes first in order of context length (see `_decodes_by_length`).
-        Logits rows: first the last token of each plain sequence that reaches its end, then, per
-        sequence with drafts, its last token and every draft."""
-        bs = self.block_size
-        ids: list[int] = []
-        starts: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        spec_rows: list[int] = []
-        spec_reqs: list[Request] = []
-        for req, n in _decodes_by_length(plan.scheduled):
-            start = req.num_computed_tokens
-            end = start + n
-            ids.extend(req.all_token_ids[start:end])
-            starts.append(start)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            tables.append(req.table.blocks)
-            if end > req.num_tokens:  # the last token and drafts
-                ids.extend(req.spec_token_ids)
-                spec_rows.extend(range(qsl[-1] - n, qsl[-1]))
-                spec_reqs.append(req)
-            elif end == req.num_tokens:
-                sample_rows.append(qsl[-1] - 1)
-                sample_reqs.append(req)
-        dev = self.device
-        # Index math in numpy: a few microseconds per op where torch's CPU dispatch costs tens.
-        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-        block_tables = np.zeros((len(tables), table_lens.max()), dtype=np.int64)  # padded with 0
-        block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), dtype=np.int64, count=table_lens.sum())
-        q_start = np.asarray(qsl, dtype=np.int64)
-        q_lens = np.diff(q_start)
-        rows = np.repeat(np.arange(len(tables)), q_lens)
-        positions = np.arange(len(ids)) - np.repeat(q_start[:-1] - np.asarray(starts, dtype=np.int64), q_lens)
-        slots = block_tables[rows, positions // bs] * bs + positions % bs
-        positions = torch.from_numpy(positions)
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, device=dev), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-            num_decodes=plan.num_decodes, block_size=bs,
-        )
-        return (meta, torch.tensor(ids, device=dev), positions.to(dev),
-                torch.tensor(sample_rows + spec_rows, dtype=torch.long, device=dev), sample_reqs, spec_reqs)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """The request's own generator when it is seeded and samples (created on first use)."""

@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.kv.manager import BlockTable
+
+
+class Draft(Protocol):
+    """Draft tokens a proposer suggested for a sequence, verified in the sequence's next step. The
+    implementation (`spec_decode.Proposal`) also holds what verification needs of the proposer (the
+    distributions the drafts were drawn from); this side knows only the tokens."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    def truncate(self, n: int) -> Draft:
+        """The first n drafts (1 <= n <= len(tokens)), as a new draft."""
+        ...
 
 
 class Status(enum.Enum):
@@ -21,7 +34,9 @@ class Request:
     """One sequence. Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
     `0 <= num_computed_tokens <= len(all_token_ids)` (tokens whose K/V are in the cache); the
     next token is sampled when a step computes up to the last token. Draft tokens are not part of
-    `all_token_ids`: a step that schedules them computes all_token_ids[-1:] + spec_token_ids."""
+    `all_token_ids`: a step that schedules them computes all_token_ids[-1:] + draft.tokens.
+    `draft` is None or holds at least one token; the scheduler cuts it to the step's budget
+    (`Draft.truncate`) and drops it once the step that verifies it has run, or on preemption."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -38,8 +53,7 @@ class Request:
     num_preemptions: int = 0
     table: BlockTable = field(default_factory=BlockTable)
     wait_for: Request | None = None  # a sibling whose prompt blocks this one should reuse
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
-    spec_probs: Any = None  # their draft distributions (a tensor), or None for point masses
+    draft: Draft | None = None  # drafts to verify in the next step
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -59,6 +73,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return 0 if self.draft is None else len(self.draft.tokens)
 
     @property
     def finished(self) -> bool:

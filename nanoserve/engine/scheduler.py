@@ -31,22 +31,31 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
 
+def _batch_order(item: tuple[Request, int]) -> tuple[bool, int]:
+    req, n = item
+    return (n > 1, req.num_computed_tokens if n == 1 else 0)
+
+
 @dataclass(slots=True)
 class StepPlan:
-    """Who runs this step and with how many new tokens. `scheduled` lists single-token sequences
-    (decodes) first, then multi-token prefill chunks; each sequence's new tokens are
-    all_token_ids[num_computed_tokens : num_computed_tokens + n]."""
+    """Who runs this step and with how many new tokens: a sequence's n new tokens are the first n
+    of all_token_ids[num_computed_tokens:] followed by its draft tokens, if it has any.
+
+    Invariant (the batch order, decided here for every plan): `scheduled` lists the single-token
+    sequences (decodes) first, shortest context first, then the multi-token ones (prefill chunks,
+    decodes with drafts) in the order given. The attention backends take the leading single-token
+    sequences as decodes (`AttentionMetadata.num_decodes`) and attend decodes of similar length
+    together (torch_ref's chunks), so less of each gather is padding."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.scheduled = sorted(self.scheduled, key=_batch_order)  # stable
+
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for _, n in self.scheduled if n == 1)
 
 
 class Scheduler:
@@ -81,10 +90,10 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
-            if req.spec_token_ids and n <= len(req.spec_token_ids):  # the budget cuts the drafts short
-                req.spec_token_ids = req.spec_token_ids[: n - 1]
-                req.spec_probs = None if req.spec_probs is None else req.spec_probs[: n - 1]
+            num_drafts = req.num_draft_tokens
+            n = min(req.num_tokens - req.num_computed_tokens + num_drafts, budget)
+            if req.draft is not None and n <= num_drafts:  # the budget cuts the drafts short
+                req.draft = req.draft.truncate(n - 1) if n > 1 else None
             while not self.kv.allocate(req.table, req.num_computed_tokens + n):
                 victim = max(self.running, key=self._order)
                 budget += chosen.pop(victim, 0)
@@ -97,9 +106,7 @@ class Scheduler:
                 budget -= n
         if not preempted:
             budget = self._admit(budget, chosen)
-        scheduled = list(chosen.items())
-        scheduled.sort(key=lambda item: item[1] > 1)  # stable: decodes first
-        return StepPlan(scheduled, preempted)
+        return StepPlan(list(chosen.items()), preempted)
 
     def _admit(self, budget: int, chosen: dict[Request, int]) -> int:
         """Admits waiting sequences in queue order while budget, seats and blocks last.
@@ -152,7 +159,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.table, req.all_token_ids, req.num_computed_tokens)
         req.num_computed_tokens = 0
-        req.spec_token_ids, req.spec_probs = [], None
+        req.draft = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(req)
@@ -177,7 +184,7 @@ class Scheduler:
         (whose K/V stays behind as garbage past num_computed_tokens, overwritten later)."""
         for req, n in plan.scheduled:
             req.num_computed_tokens += n - rejected.get(req, 0)
-            req.spec_token_ids, req.spec_probs = [], None
+            req.draft = None
 
     def publish(self, plan: StepPlan) -> None:
         """After the new tokens are appended: publishes newly full blocks to the prefix cache and

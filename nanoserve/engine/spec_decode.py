@@ -29,10 +29,13 @@ from nanoserve.engine.sampler import inverse_cdf
 
 class Proposal(NamedTuple):
     """Draft tokens for one sequence and, for sampled drafts, the draft distributions [k, V] they
-    came from (None means a point mass on each draft)."""
+    came from (None means a point mass on each draft). The `request.Draft` a sequence carries."""
 
     tokens: list[int]
     probs: torch.Tensor | None
+
+    def truncate(self, n: int) -> Proposal:
+        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n])
 
 
 @dataclass(slots=True)
@@ -151,10 +154,10 @@ def verify(targets: torch.Tensor, drafts: list[list[int]], draft_probs: list[tor
     if flat:
         p_d = targets[draft_rows, flat].double()
         q_d = torch.ones_like(p_d)
-        sampled = [s for s, q in enumerate(draft_probs) if q is not None and lengths[s]]
+        sampled = [(s, q) for s, q in enumerate(draft_probs) if q is not None and lengths[s]]
         if sampled:  # each draft's q(d), gathered from the draft distributions that exist
-            at = [j for s in sampled for j in range(starts[s] - s, starts[s] - s + lengths[s])]
-            q_rows = torch.cat([draft_probs[s][: lengths[s]] for s in sampled])
+            at = [j for s, _ in sampled for j in range(starts[s] - s, starts[s] - s + lengths[s])]
+            q_rows = torch.cat([q[: lengths[s]] for s, q in sampled])
             q_d[at] = q_rows[list(range(len(at))), [flat[j] for j in at]].double()
         accepted = (u[[2 * r for r in draft_rows]].double() * q_d < p_d).tolist()
     kept: list[list[int]] = []
@@ -173,10 +176,10 @@ def verify(targets: torch.Tensor, drafts: list[list[int]], draft_probs: list[tor
         point = [j for j, (s, _) in enumerate(rejected) if draft_probs[s] is None]
         if point:
             residual[point, [drafts[rejected[j][0]][rejected[j][1]] for j in point]] = 0.0
-        dist = [j for j, (s, _) in enumerate(rejected) if draft_probs[s] is not None]
+        dist = [(j, probs[i]) for j, (s, i) in enumerate(rejected) if (probs := draft_probs[s]) is not None]
         if dist:
-            q = torch.stack([draft_probs[s][i] for s, i in (rejected[j] for j in dist)])
-            residual[dist] = (residual[dist] - q).clamp_(min=0.0)
+            at = [j for j, _ in dist]
+            residual[at] = (residual[at] - torch.stack([q for _, q in dist])).clamp_(min=0.0)
         empty = residual.sum(dim=-1, keepdim=True) <= 0.0  # p == q up to rounding: p itself is the residual
         weights[rows] = torch.where(empty, weights[rows], residual)
     tokens = inverse_cdf(weights, u[u_rows]).tolist()

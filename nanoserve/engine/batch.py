@@ -1,0 +1,98 @@
+"""The batch builder: a `StepPlan` in, one flat, unpadded batch (`PreparedBatch`) out.
+
+Every forward pass goes through here: the runner's steps, the draft model's passes, the decode
+batches the CUDA graphs copy into their static buffers and the memory profile's synthetic step.
+The batch keeps the plan's order (decodes first, shortest context first: see `StepPlan`).
+
+This is on the per-step path: the index math runs in numpy, whose calls cost less than torch's CPU
+dispatch, and the arrays become tensors through `torch.from_numpy` (never `torch.tensor` of a list).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import StepPlan
+
+
+class PreparedBatch(NamedTuple):
+    """One step's model inputs, and which hidden-state rows become logits for whom.
+
+    `logits_rows` lists, first, the last token of each sequence of `sampled` (plain sequences whose
+    step reaches their last token), in order; then, for each sequence of `verified` (those carrying
+    drafts), its last token and every draft. A prefill chunk that stops short of the prompt's end
+    has no row. When that is every row in order (a step of decodes and verifications only), it is
+    `slice(None)`, so the logits need no gather.
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor | slice
+    sampled: list[Request]
+    verified: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> PreparedBatch:
+    """The plan's new tokens, positions and attention metadata, on `device`. A sequence with a
+    draft is scheduled with its last token and every draft (the scheduler's invariant)."""
+    ids: list[int] = []
+    starts: list[int] = []
+    query_lens: list[int] = []
+    tables: list[list[int]] = []
+    sample_rows: list[int] = []
+    sampled: list[Request] = []
+    verify_rows: list[int] = []
+    verified: list[Request] = []
+    for req, n in plan.scheduled:
+        start = req.num_computed_tokens
+        row = len(ids)
+        starts.append(start)
+        query_lens.append(n)
+        tables.append(req.table.blocks)
+        if req.draft is None:
+            ids += req.all_token_ids[start : start + n]
+            if start + n == len(req.all_token_ids):
+                sample_rows.append(row + n - 1)
+                sampled.append(req)
+        else:
+            ids += req.all_token_ids[start:]
+            ids += req.draft.tokens
+            verify_rows += range(row, row + n)
+            verified.append(req)
+    num_seqs, num_tokens = len(starts), len(ids)
+    start_arr = np.array(starts, dtype=np.int64)
+    if num_tokens == num_seqs:  # one token each: positions are the starts
+        seq_of_token = np.arange(num_seqs)
+        query_start = np.arange(num_seqs + 1)
+        positions = start_arr
+        seq_lens = start_arr + 1
+    else:
+        len_arr = np.array(query_lens, dtype=np.int64)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(len_arr, out=query_start[1:])
+        seq_of_token = np.repeat(np.arange(num_seqs), len_arr)
+        positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - start_arr, len_arr)
+        seq_lens = start_arr + len_arr
+    block_tables = np.zeros((num_seqs, max(map(len, tables))), dtype=np.int64)  # padded with 0
+    for s, table in enumerate(tables):  # row by row: fewer numpy calls than a masked fill for small batches
+        block_tables[s, : len(table)] = table
+    block, offset = np.divmod(positions, block_size)
+    slots = block_tables[seq_of_token, block] * block_size + offset
+    meta = AttentionMetadata.build(slots, block_tables, query_start, seq_lens, query_lens.count(1), block_size,
+                                   device)
+    rows = sample_rows + verify_rows
+    logits_rows: torch.Tensor | slice = slice(None)  # every row: decodes (first) and verifications, in order
+    if len(rows) < num_tokens:
+        logits_rows = torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
+    return PreparedBatch(torch.from_numpy(np.array(ids, dtype=np.int64)).to(device),
+                         torch.from_numpy(positions).to(device), meta, logits_rows, sampled, verified)
