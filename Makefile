@@ -20,4 +20,5 @@ serve: setup
 
 test: setup
 	$(BIN)/ruff check nanoserve tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
