@@ -7,7 +7,7 @@ import torch
 
 from nanoserve.engine.batch import prepare_batch
 from nanoserve.engine.memory_profile import synthetic_plan
-from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from nanoserve.engine.spec_decode import Proposal
@@ -16,8 +16,8 @@ from nanoserve.kv.manager import BlockTable, KVCacheManager
 CPU = torch.device("cpu")
 
 
-def _seq(name: str, num_tokens: int, computed: int, blocks: list[int], draft: list[int] | None = None) -> Request:
-    req = Request(name, [100 * (ord(name) - ord("a")) + i for i in range(num_tokens)], SamplingParams(), arrival=0,
+def _seq(name: str, num_tokens: int, computed: int, blocks: list[int], draft: list[int] | None = None) -> Sequence:
+    req = Sequence(name, [100 * (ord(name) - ord("a")) + i for i in range(num_tokens)], SamplingParams(), arrival=0,
                   table=BlockTable(blocks))
     req.num_computed_tokens = computed
     req.draft = None if draft is None else Proposal(draft, None)
@@ -72,10 +72,10 @@ def test_synthetic_profile_plan() -> None:
     assert isinstance(batch.logits_rows, torch.Tensor) and batch.logits_rows.tolist() == [19, 39, 49]
 
 
-def _decoding(budget: int, prompt_len: int = 4) -> tuple[Scheduler, Request]:
+def _decoding(budget: int, prompt_len: int = 4) -> tuple[Scheduler, Sequence]:
     """A scheduler with `budget` tokens a step and one sequence whose prompt is computed."""
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), KVCacheManager(16, 4))
-    req = Request("r", list(range(prompt_len)), SamplingParams(), arrival=0)
+    req = Sequence("r", list(range(prompt_len)), SamplingParams(), arrival=0)
     scheduler.add(req)
     while req.num_computed_tokens < req.num_tokens:
         scheduler.advance(scheduler.schedule(), {})

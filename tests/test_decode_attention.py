@@ -10,7 +10,7 @@ import torch
 
 from nanoserve.attention import AttentionMetadata, TorchAttention
 from nanoserve.attention.torch_ref import decode_chunks
-from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import StepPlan
 
@@ -79,8 +79,8 @@ def test_chunked_decodes_match_dense_attention(sort, budget):
 
 
 def test_plan_orders_decodes_by_context_length():
-    def req(computed: int) -> Request:
-        r = Request(f"r{computed}", list(range(computed + 1)), SamplingParams(), arrival=0)
+    def req(computed: int) -> Sequence:
+        r = Sequence(f"r{computed}", list(range(computed + 1)), SamplingParams(), arrival=0)
         r.num_computed_tokens = computed
         return r
 

@@ -19,7 +19,7 @@ from test_prefix_cache import check_kv_invariants
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.stand_in import (
     STAND_IN_MAX_LEN,
@@ -37,12 +37,12 @@ def _params(max_tokens: int, n: int = 1) -> SamplingParams:
     return SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _sequences(engine: LLMEngine) -> dict[tuple[str, int], Request]:
+def _sequences(engine: LLMEngine) -> dict[tuple[str, int], Sequence]:
     return {r.key: r for r in [*engine.scheduler.running, *engine.scheduler.waiting]}
 
 
 def check_engine(engine: LLMEngine) -> None:
-    """Request states agree with the scheduler, and the KV bookkeeping with the live tables."""
+    """Sequence states agree with the scheduler, and the KV bookkeeping with the live tables."""
     sch, bs = engine.scheduler, engine.kv.block_size
     keys = [r.key for r in [*sch.running, *sch.waiting]]
     assert len(keys) == len(set(keys)), "a sequence is queued twice"

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.scheduler import StepPlan
 
 
@@ -34,8 +34,8 @@ class PreparedBatch(NamedTuple):
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     logits_rows: torch.Tensor | slice
-    sampled: list[Request]
-    verified: list[Request]
+    sampled: list[Sequence]
+    verified: list[Sequence]
 
     @property
     def num_tokens(self) -> int:
@@ -50,25 +50,25 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
     query_lens: list[int] = []
     tables: list[list[int]] = []
     sample_rows: list[int] = []
-    sampled: list[Request] = []
+    sampled: list[Sequence] = []
     verify_rows: list[int] = []
-    verified: list[Request] = []
-    for req, n in plan.scheduled:
-        start = req.num_computed_tokens
+    verified: list[Sequence] = []
+    for seq, n in plan.scheduled:
+        start = seq.num_computed_tokens
         row = len(ids)
         starts.append(start)
         query_lens.append(n)
-        tables.append(req.table.blocks)
-        if req.draft is None:
-            ids += req.all_token_ids[start : start + n]
-            if start + n == len(req.all_token_ids):
+        tables.append(seq.table.blocks)
+        if seq.draft is None:
+            ids += seq.all_token_ids[start : start + n]
+            if start + n == len(seq.all_token_ids):
                 sample_rows.append(row + n - 1)
-                sampled.append(req)
+                sampled.append(seq)
         else:
-            ids += req.all_token_ids[start:]
-            ids += req.draft.tokens
+            ids += seq.all_token_ids[start:]
+            ids += seq.draft.tokens
             verify_rows += range(row, row + n)
-            verified.append(req)
+            verified.append(seq)
     num_seqs, num_tokens = len(starts), len(ids)
     start_arr = np.array(starts, dtype=np.int64)
     if num_tokens == num_seqs:  # one token each: positions are the starts

@@ -1,7 +1,7 @@
 """Draft-model proposer for speculative decoding: a smaller model sharing the target's tokenizer.
 
 The draft keeps its own paged KV (its own pool and a block table per sequence) and a shadow
-`Request` per target sequence. Each proposal first feeds the shadow whatever target tokens it has
+`Sequence` per target sequence. Each proposal first feeds the shadow whatever target tokens it has
 not computed (the whole prompt the first time; afterwards the target's last accepted tokens), then
 runs one single-token step per further draft, all sequences batched in each pass; where every
 sequence drafts greedily and the draft runs on nanoserve's CPU kernels, those passes are one native
@@ -23,7 +23,7 @@ import torch
 
 from nanoserve.attention import AttentionBackend
 from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
-from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampler import inverse_cdf, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.engine.spec_decode import Proposal
@@ -32,7 +32,7 @@ from nanoserve.kv.manager import KVCacheManager
 
 @dataclass(slots=True)
 class _Shadow:
-    seq: Request  # the draft-side sequence: its table, all_token_ids and num_computed_tokens
+    draft_seq: Sequence  # the draft-side sequence: its table, all_token_ids and num_computed_tokens
     base: int  # the target's length when the last drafts were proposed
     generator: torch.Generator | None
 
@@ -54,39 +54,39 @@ class DraftModelProposer:
         self.device = device
         self._shadows: dict[tuple[str, int], _Shadow] = {}
 
-    def propose(self, requests: list[Request], budgets: list[int]) -> list[Proposal]:
-        active: list[tuple[Request, _Shadow, int]] = []
-        for req, k in zip(requests, budgets, strict=True):
-            shadow = self._shadow(req)
-            shadow.seq.all_token_ids = list(req.all_token_ids)
-            shadow.base = req.num_tokens
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        active: list[tuple[Sequence, _Shadow, int]] = []
+        for seq, k in zip(seqs, budgets, strict=True):
+            shadow = self._shadow(seq)
+            shadow.draft_seq.all_token_ids = list(seq.all_token_ids)
+            shadow.base = seq.num_tokens
             # K/V up to the last draft but one: the last draft is only proposed, never fed.
-            if self.kv.allocate(shadow.seq.table, req.num_tokens + k - 1):
-                active.append((req, shadow, k))
+            if self.kv.allocate(shadow.draft_seq.table, seq.num_tokens + k - 1):
+                active.append((seq, shadow, k))
             else:
-                self.release(req)
-        drafts: dict[Request, list[int]] = {req: [] for req, _, _ in active}
-        dists: dict[Request, list[torch.Tensor]] = {req: [] for req, _, _ in active}
-        any_greedy = any(req.params.greedy for req, _, _ in active)
+                self.release(seq)
+        drafts: dict[Sequence, list[int]] = {seq: [] for seq, _, _ in active}
+        dists: dict[Sequence, list[torch.Tensor]] = {seq: [] for seq, _, _ in active}
+        any_greedy = any(seq.params.greedy for seq, _, _ in active)
         step = 0
         while active:
-            plan = StepPlan([(s.seq, s.seq.num_tokens - s.seq.num_computed_tokens) for _, s, _ in active])
-            if all(req.params.greedy for req, _, _ in active):  # the passes left in one native call, where it runs
-                native = self.runner.draft_greedy(plan, {s.seq: k - step for _, s, k in active}, self.min_confidence)
+            plan = StepPlan([(s.draft_seq, s.draft_seq.num_tokens - s.draft_seq.num_computed_tokens) for _, s, _ in active])
+            if all(seq.params.greedy for seq, _, _ in active):  # the passes left in one native call, where it runs
+                native = self.runner.draft_greedy(plan, {s.draft_seq: k - step for _, s, k in active}, self.min_confidence)
                 if native is not None:
-                    for req, shadow, _ in active:
-                        drafts[req] += native[shadow.seq]
-                        shadow.seq.all_token_ids += native[shadow.seq]
-                        shadow.seq.num_computed_tokens = shadow.seq.num_tokens - 1  # all but the last draft
+                    for seq, shadow, _ in active:
+                        drafts[seq] += native[shadow.draft_seq]
+                        shadow.draft_seq.all_token_ids += native[shadow.draft_seq]
+                        shadow.draft_seq.num_computed_tokens = shadow.draft_seq.num_tokens - 1  # all but the last draft
                     break
             logits, batch = self.runner.forward(plan)
             # Logits rows follow `batch.sampled` (the plan's order). Greedy rows draft the argmax (q is
             # a point mass: nothing to keep); sampled rows draw from q, all in one `sampling_probs`,
             # each with one uniform from its own stream.
-            by_seq = {shadow.seq: (req, shadow) for req, shadow, _ in active}
-            pairs = [by_seq[seq] for seq in batch.sampled]
+            by_seq = {shadow.draft_seq: (seq, shadow) for seq, shadow, _ in active}
+            pairs = [by_seq[s] for s in batch.sampled]
             tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist() if any_greedy else [0] * len(pairs)
-            sampled = [row for row, (req, _) in enumerate(pairs) if not req.params.greedy]
+            sampled = [row for row, (seq, _) in enumerate(pairs) if not seq.params.greedy]
             if sampled:
                 q = sampling_probs(logits[sampled], [pairs[row][0].params for row in sampled], self.vocab_size)
                 u = torch.cat([torch.rand(1, generator=pairs[row][1].generator, device=q.device) for row in sampled])
@@ -99,35 +99,35 @@ class DraftModelProposer:
                 conf = torch.softmax(logits[:, : self.vocab_size].float(), dim=-1).gather(1, chosen)
                 confident = (conf[:, 0] >= self.min_confidence).tolist()
             stopped = set()
-            for (req, shadow), token, ok in zip(pairs, tokens, confident, strict=True):
-                shadow.seq.num_computed_tokens = shadow.seq.num_tokens
-                drafts[req].append(token)
-                shadow.seq.all_token_ids.append(token)
+            for (seq, shadow), token, ok in zip(pairs, tokens, confident, strict=True):
+                shadow.draft_seq.num_computed_tokens = shadow.draft_seq.num_tokens
+                drafts[seq].append(token)
+                shadow.draft_seq.all_token_ids.append(token)
                 if not ok:
-                    stopped.add(req)
+                    stopped.add(seq)
             step += 1
             active = [a for a in active if a[2] > step and a[0] not in stopped]
         return [Proposal(drafts[r], None if r.params.greedy else torch.stack(dists[r])) if r in drafts
-                else Proposal([], None) for r in requests]
+                else Proposal([], None) for r in seqs]
 
-    def accepted(self, req: Request, num_accepted: int) -> None:
-        shadow = self._shadows.get(req.key)
+    def accepted(self, seq: Sequence, num_accepted: int) -> None:
+        shadow = self._shadows.get(seq.key)
         if shadow is not None:  # its K/V after the accepted drafts belongs to rejected tokens
-            seq = shadow.seq
-            seq.num_computed_tokens = min(seq.num_computed_tokens, shadow.base + num_accepted)
+            mirror = shadow.draft_seq
+            mirror.num_computed_tokens = min(mirror.num_computed_tokens, shadow.base + num_accepted)
 
-    def release(self, req: Request) -> None:
-        shadow = self._shadows.pop(req.key, None)
+    def release(self, seq: Sequence) -> None:
+        shadow = self._shadows.pop(seq.key, None)
         if shadow is not None:
-            self.kv.free(shadow.seq.table, shadow.seq.all_token_ids, 0)
+            self.kv.free(shadow.draft_seq.table, shadow.draft_seq.all_token_ids, 0)
 
-    def _shadow(self, req: Request) -> _Shadow:
-        shadow = self._shadows.get(req.key)
+    def _shadow(self, seq: Sequence) -> _Shadow:
+        shadow = self._shadows.get(seq.key)
         if shadow is None:
-            p = req.params
+            p = seq.params
             gen = None
             if p.seed is not None and not p.greedy:  # its own stream, apart from the target's
-                gen = torch.Generator(self.device).manual_seed((p.seed + req.index + 1) % 2**64)
-            seq = Request(req.request_id, [], p, 0, index=req.index)
-            shadow = self._shadows[req.key] = _Shadow(seq, 0, gen)
+                gen = torch.Generator(self.device).manual_seed((p.seed + seq.index + 1) % 2**64)
+            mirror = Sequence(seq.request_id, [], p, 0, index=seq.index)
+            shadow = self._shadows[seq.key] = _Shadow(mirror, 0, gen)
         return shadow

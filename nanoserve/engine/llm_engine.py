@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +27,7 @@ from nanoserve.engine.outputs import (
     SequenceProgress,
     StepOutput,
 )
-from nanoserve.engine.request import Request, Status
+from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.spec_decode import Proposer, SpecStats
@@ -39,16 +39,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Sequence:
-    request: Request
-    stream: TextStream | None
-
-
-@dataclass(slots=True)
 class _Group:
-    """The n sequences of one request."""
+    """The n sequences of one request, and each one's text stream (None without a tokenizer)."""
 
-    sequences: list[_Sequence] = field(default_factory=list)
+    sequences: list[Sequence]
+    streams: list[TextStream | None]
 
 
 class LLMEngine:
@@ -126,7 +121,7 @@ class LLMEngine:
     def started(self, request_id: str) -> bool:
         """Whether any sequence of the request has been admitted (False once it ended)."""
         group = self._groups.get(request_id)
-        return group is not None and any(s.request.status is not Status.WAITING for s in group.sequences)
+        return group is not None and any(s.status is not Status.WAITING for s in group.sequences)
 
     def kv_stats(self) -> KVStats:
         return self.kv.snapshot()
@@ -160,17 +155,16 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
-        group = _Group()
+        group = _Group([], [])
         for i in range(params.n):
-            req = Request(request_id, list(prompt_ids), params, next(self._arrivals), index=i, priority=priority)
+            seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals), index=i, priority=priority)
             if i and self.kv.cache is not None:
-                req.wait_for = group.sequences[0].request
-            stream = None
-            if self.tokenizer is not None:
-                stream = TextStream(self.tokenizer, req.prompt_token_ids, params.stop, params.skip_special_tokens)
-            group.sequences.append(_Sequence(req, stream))
+                seq.wait_for = group.sequences[0]
+            group.sequences.append(seq)
+            group.streams.append(None if self.tokenizer is None else TextStream(
+                self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens))
         for seq in group.sequences:  # only once every sequence was built: all or nothing
-            self.scheduler.add(seq.request)
+            self.scheduler.add(seq)
         self._groups[request_id] = group
         self.num_prompt_tokens += len(prompt_ids)
 
@@ -180,10 +174,10 @@ class LLMEngine:
         if group is None:
             return False
         for seq in group.sequences:
-            self.scheduler.finish(seq.request, "abort")
-            self.runner.release(seq.request)
+            self.scheduler.finish(seq, "abort")
+            self.runner.release(seq)
             if self.proposer is not None:
-                self.proposer.release(seq.request)
+                self.proposer.release(seq)
         return True
 
     def step(self) -> StepOutput:
@@ -191,26 +185,26 @@ class LLMEngine:
         and the requests that ended in it (see `StepOutput`)."""
         plan = self.scheduler.schedule()
         if self.proposer is not None:
-            for req in plan.preempted:
-                self.proposer.release(req)
+            for seq in plan.preempted:
+                self.proposer.release(seq)
         if not plan.scheduled:
             return StepOutput([])
         result = self.runner.execute(plan)
         rejected = {}
-        for req, kept in result.verified:
-            rejected[req] = req.num_draft_tokens + 1 - len(kept)
-            self.spec_stats.record(req.num_draft_tokens, len(kept) - 1)
+        for seq, kept in result.verified:
+            rejected[seq] = seq.num_draft_tokens + 1 - len(kept)
+            self.spec_stats.record(seq.num_draft_tokens, len(kept) - 1)
             if self.proposer is not None:
-                self.proposer.accepted(req, len(kept) - 1)
+                self.proposer.accepted(seq, len(kept) - 1)
         self.scheduler.advance(plan, rejected)
         out = result.sampled
         deltas = []
-        for row, req in enumerate(result.requests):
-            delta = self._postprocess(req, [out.token_ids[row]])
-            if out.logprobs is not None and out.top_logprobs is not None and req.params.logprobs is not None:
+        for row, seq in enumerate(result.sequences):
+            delta = self._postprocess(seq, [out.token_ids[row]])
+            if out.logprobs is not None and out.top_logprobs is not None and seq.params.logprobs is not None:
                 delta.logprobs, delta.top_logprobs = [out.logprobs[row]], [out.top_logprobs[row]]
             deltas.append(delta)
-        deltas.extend(self._postprocess(req, kept) for req, kept in result.verified)
+        deltas.extend(self._postprocess(seq, kept) for seq, kept in result.verified)
         self.scheduler.publish(plan)
         if self.proposer is not None:
             self._propose()
@@ -218,32 +212,32 @@ class LLMEngine:
         finished, self._finished = self._finished, []
         return StepOutput(deltas, finished)
 
-    def _postprocess(self, req: Request, tokens: list[int]) -> SequenceDelta:
+    def _postprocess(self, seq: Sequence, tokens: list[int]) -> SequenceDelta:
         """Appends the step's tokens one by one, stopping at the first that ends the sequence."""
-        seq = self._groups[req.request_id].sequences[req.index]
-        p = req.params
+        stream = self._groups[seq.request_id].streams[seq.index]
+        p = seq.params
         reason = None
         text = ""
         kept = []
         for token in tokens:
-            req.append_token(token)
+            seq.append_token(token)
             kept.append(token)
             if (not p.ignore_eos and token in self.stop_token_ids) or token in p.stop_token_ids:
                 reason = "stop"
-            elif seq.stream is not None:
-                text += seq.stream.push(token)
-                if seq.stream.stopped:
+            elif stream is not None:
+                text += stream.push(token)
+                if stream.stopped:
                     reason = "stop"
-            if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
                 reason = "length"
             if reason is not None:
                 break
         if reason is not None:
-            if seq.stream is not None:
-                text += seq.stream.finish()
-            self._finish(req, reason)
-        return SequenceDelta(req.request_id, req.index, kept, text, reason, num_prompt_tokens=req.num_prompt_tokens,
-                             num_cached_tokens=max(req.num_cached_tokens, 0))
+            if stream is not None:
+                text += stream.finish()
+            self._finish(seq, reason)
+        return SequenceDelta(seq.request_id, seq.index, kept, text, reason, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_cached_tokens=max(seq.num_cached_tokens, 0))
 
     def _propose(self) -> None:
         """Drafts for every running sequence in decode whose sampling speculation keeps exact:
@@ -256,26 +250,26 @@ class LLMEngine:
         if limit is not None and len(self.scheduler.running) > limit:
             return
         candidates, budgets = [], []
-        for req in self.scheduler.running:
-            p = req.params
-            if (req.num_tokens - req.num_computed_tokens != 1 or p.uses_penalties or p.logprobs is not None
-                    or req.num_output_tokens < p.min_tokens):
+        for seq in self.scheduler.running:
+            p = seq.params
+            if (seq.num_tokens - seq.num_computed_tokens != 1 or p.uses_penalties or p.logprobs is not None
+                    or seq.num_output_tokens < p.min_tokens):
                 continue
-            k = min(self.num_speculative_tokens, p.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
+            k = min(self.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)
             if k > 0:
-                candidates.append(req)
+                candidates.append(seq)
                 budgets.append(k)
         if candidates:
-            for req, proposal in zip(candidates, self.proposer.propose(candidates, budgets), strict=True):
-                req.draft = proposal if proposal.tokens else None
+            for seq, proposal in zip(candidates, self.proposer.propose(candidates, budgets), strict=True):
+                seq.draft = proposal if proposal.tokens else None
 
-    def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.finish(req, reason)
-        self.runner.release(req)
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
         if self.proposer is not None:
-            self.proposer.release(req)
-        group = self._groups[req.request_id]
-        if all(s.request.finished for s in group.sequences):
-            del self._groups[req.request_id]
-            self._finished.append(req.request_id)
+            self.proposer.release(seq)
+        group = self._groups[seq.request_id]
+        if all(s.finished for s in group.sequences):
+            del self._groups[seq.request_id]
+            self._finished.append(seq.request_id)

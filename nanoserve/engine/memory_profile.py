@@ -17,7 +17,7 @@ import torch
 
 from nanoserve.attention import AttentionBackend
 from nanoserve.engine.batch import prepare_batch
-from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.kv.manager import BlockTable
@@ -49,11 +49,11 @@ def _sequence_lens(num_tokens: int, max_model_len: int) -> list[int]:
 def synthetic_plan(num_tokens: int, max_model_len: int, block_size: int) -> StepPlan:
     """The largest step of prompt tokens: `num_tokens` of them (all 0), in fresh sequences of at
     most `max_model_len` tokens, each in its own run of blocks of a scratch pool numbered from 0."""
-    scheduled: list[tuple[Request, int]] = []
+    scheduled: list[tuple[Sequence, int]] = []
     first = 0
     for i, n in enumerate(_sequence_lens(num_tokens, max_model_len)):
         blocks = list(range(first, first + -(-n // block_size)))
-        scheduled.append((Request(f"profile-{i}", [0] * n, SamplingParams(), arrival=i, table=BlockTable(blocks)), n))
+        scheduled.append((Sequence(f"profile-{i}", [0] * n, SamplingParams(), arrival=i, table=BlockTable(blocks)), n))
         first += len(blocks)
     return StepPlan(scheduled)
 

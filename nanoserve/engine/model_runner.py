@@ -15,7 +15,7 @@ import torch
 from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from nanoserve.engine.batch import PreparedBatch, prepare_batch
 from nanoserve.engine.cuda_graph import DecodeGraphs
-from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.engine.spec_decode import Proposal, verify, verify_greedy
@@ -44,19 +44,19 @@ class KVShape(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    """What the step produced: `sampled` holds one token per sequence of `requests` (those that
+    """What the step produced: `sampled` holds one token per sequence of `sequences` (those that
     reached their last token without drafts); `verified` the kept tokens (accepted drafts + one)
     of each sequence whose drafts were verified."""
 
-    requests: list[Request]
+    sequences: list[Sequence]
     sampled: SamplerOutput
-    verified: list[tuple[Request, list[int]]]
+    verified: list[tuple[Sequence, list[int]]]
 
 
-def _proposal(req: Request) -> Proposal:
+def _proposal(seq: Sequence) -> Proposal:
     """The draft a sequence carries, as every proposer makes it."""
-    assert isinstance(req.draft, Proposal), "drafts come from a Proposer"
-    return req.draft
+    assert isinstance(seq.draft, Proposal), "drafts come from a Proposer"
+    return seq.draft
 
 
 class ModelRunner:
@@ -95,8 +95,8 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.backend)
         return self.model.compute_logits(hidden[batch.logits_rows]), batch
 
-    def draft_greedy(self, plan: StepPlan, budgets: dict[Request, int],
-                     min_confidence: float) -> dict[Request, list[int]] | None:
+    def draft_greedy(self, plan: StepPlan, budgets: dict[Sequence, int],
+                     min_confidence: float) -> dict[Sequence, list[int]] | None:
         """Greedy drafts for every sequence of `plan` (each ends its step at its last token) in one
         native call (`NativeDecoder.draft_greedy`: the step, then a pass per further draft, up to
         `budgets[seq]` drafts, stopping after one given less than `min_confidence`); None when the
@@ -116,63 +116,63 @@ class ModelRunner:
             sampled = self.sampler(logits[:num_sampled], self._sampling_batch(batch.sampled))
         return StepResult(batch.sampled, sampled, self._verify(logits[num_sampled:], batch.verified))
 
-    def _verify(self, logits: torch.Tensor, verified: list[Request]) -> list[tuple[Request, list[int]]]:
+    def _verify(self, logits: torch.Tensor, verified: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """The kept tokens of each sequence with drafts; `logits` holds its last token's row and one
         row per draft, sequence after sequence. Greedy sequences share one argmax over all rows;
         sampled ones one `sampling_probs` and one batched `verify`."""
-        kept: dict[Request, list[int]] = {}
-        greedy: list[tuple[Request, list[int], int]] = []  # (sequence, its drafts, its first row)
+        kept: dict[Sequence, list[int]] = {}
+        greedy: list[tuple[Sequence, list[int], int]] = []  # (sequence, its drafts, its first row)
         sampled_rows: list[int] = []
-        sampled: list[tuple[Request, Proposal]] = []
+        sampled: list[tuple[Sequence, Proposal]] = []
         row = 0
-        for req in verified:
-            draft = _proposal(req)
+        for seq in verified:
+            draft = _proposal(seq)
             k = len(draft.tokens)
-            if req.params.greedy:
-                greedy.append((req, draft.tokens, row))
+            if seq.params.greedy:
+                greedy.append((seq, draft.tokens, row))
             else:
                 sampled_rows.extend(range(row, row + k + 1))
-                sampled.append((req, draft))
+                sampled.append((seq, draft))
             row += k + 1
         if greedy:
             argmax = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-            for req, tokens, row in greedy:
-                kept[req] = verify_greedy(argmax[row : row + len(tokens) + 1], tokens)
+            for seq, tokens, row in greedy:
+                kept[seq] = verify_greedy(argmax[row : row + len(tokens) + 1], tokens)
         if sampled:
             params = [r.params for r, d in sampled for _ in range(len(d.tokens) + 1)]
             targets = sampling_probs(logits[sampled_rows], params, self.vocab_size)
             outs = verify(targets, [d.tokens for _, d in sampled], [d.probs for _, d in sampled],
                           [self._generator(r) for r, _ in sampled])
             kept.update(zip([r for r, _ in sampled], outs, strict=True))
-        return [(req, kept[req]) for req in verified]
+        return [(seq, kept[seq]) for seq in verified]
 
-    def release(self, req: Request) -> None:
+    def release(self, seq: Sequence) -> None:
         """Forgets a finished request's generator."""
-        self._generators.pop(req.key, None)
+        self._generators.pop(seq.key, None)
 
-    def _generator(self, req: Request) -> torch.Generator | None:
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
         """The request's own generator when it is seeded and samples (created on first use)."""
-        p = req.params
+        p = seq.params
         if p.seed is None or p.greedy:
             return None
-        gen = self._generators.get(req.key)
+        gen = self._generators.get(seq.key)
         if gen is None:
-            gen = torch.Generator(self.device).manual_seed((p.seed + req.index) % 2**64)
-            self._generators[req.key] = gen
+            gen = torch.Generator(self.device).manual_seed((p.seed + seq.index) % 2**64)
+            self._generators[seq.key] = gen
         return gen
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         generators: list[torch.Generator | None] = []
         suppressed: list[frozenset[int]] = []
-        for req in reqs:
-            p = req.params
-            generators.append(self._generator(req))
-            if req.num_output_tokens < p.min_tokens:
+        for seq in seqs:
+            p = seq.params
+            generators.append(self._generator(seq))
+            if seq.num_output_tokens < p.min_tokens:
                 eos = frozenset() if p.ignore_eos else self.stop_token_ids
                 suppressed.append(eos | frozenset(p.stop_token_ids))
             else:
                 suppressed.append(frozenset())
         return SamplingBatch.build(
-            [r.params for r in reqs], [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs],
+            [r.params for r in seqs], [r.output_token_ids for r in seqs], [r.prompt_token_ids for r in seqs],
             generators, self.vocab_size, self.device, suppressed,
         )

@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampler import inverse_cdf
 
 
@@ -62,16 +62,16 @@ class SpecStats:
 
 
 class Proposer(Protocol):
-    def propose(self, requests: list[Request], budgets: list[int]) -> list[Proposal]:
-        """At most budgets[i] drafts for requests[i] (all in decode: every token but the last is
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        """At most budgets[i] drafts for seqs[i] (all in decode: every token but the last is
         computed)."""
         ...
 
-    def release(self, req: Request) -> None:
+    def release(self, seq: Sequence) -> None:
         """Forgets a sequence that finished or was preempted."""
         ...
 
-    def accepted(self, req: Request, num_accepted: int) -> None:
+    def accepted(self, seq: Sequence, num_accepted: int) -> None:
         """Reports how many of the sequence's last drafts the target accepted."""
         ...
 
@@ -88,8 +88,8 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, requests: list[Request], budgets: list[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, budgets, strict=True)]
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(r.all_token_ids, k), None) for r, k in zip(seqs, budgets, strict=True)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         out: list[int] = []
@@ -124,10 +124,10 @@ class NgramProposer:
         start = int(full[-1] if full.size else ends[0]) + 1
         return arr[start : start + k].tolist()
 
-    def release(self, req: Request) -> None:
+    def release(self, seq: Sequence) -> None:
         pass
 
-    def accepted(self, req: Request, num_accepted: int) -> None:
+    def accepted(self, seq: Sequence, num_accepted: int) -> None:
         pass
 
 

@@ -30,7 +30,7 @@ class Status(enum.Enum):
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class Sequence:
     """One sequence. Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
     `0 <= num_computed_tokens <= len(all_token_ids)` (tokens whose K/V are in the cache); the
     next token is sampled when a step computes up to the last token. Draft tokens are not part of
@@ -52,7 +52,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     table: BlockTable = field(default_factory=BlockTable)
-    wait_for: Request | None = None  # a sibling whose prompt blocks this one should reuse
+    wait_for: Sequence | None = None  # a sibling whose prompt blocks this one should reuse
     draft: Draft | None = None  # drafts to verify in the next step
 
     def __post_init__(self) -> None:
