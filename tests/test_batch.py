@@ -7,9 +7,9 @@ import torch
 
 from nanoserve.engine.batch import prepare_batch
 from nanoserve.engine.memory_profile import synthetic_plan
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode import Proposal
 from nanoserve.kv.manager import BlockTable, KVCacheManager
 

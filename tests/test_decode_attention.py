@@ -10,9 +10,9 @@ import torch
 
 from nanoserve.attention import AttentionMetadata, TorchAttention
 from nanoserve.attention.torch_ref import decode_chunks
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import StepPlan
+from nanoserve.engine.sequence import Sequence
 
 
 @pytest.mark.parametrize("seed", range(5))

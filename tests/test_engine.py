@@ -88,7 +88,7 @@ def test_staggered_arrivals_and_shared_prefixes(references):
         if pending and step % 3 == 0:
             i, p = pending.pop(0)
             engine.add_request(str(i), p, GREEDY)
-        for delta in engine.step():
+        for delta in engine.step().deltas:
             outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
         step += 1
     assert [outputs[str(i)] for i in range(len(prompts))] == expected
@@ -210,7 +210,7 @@ def test_a_draft_with_a_shorter_context_caps_max_model_len(demo_dir, tmp_path, c
     assert engine.max_model_len == engine.limits.max_model_len == 96
     assert "the draft model's context" in caplog.text
     engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=93, ignore_eos=True))
-    tokens = [t for _ in iter(engine.has_unfinished, False) for d in engine.step() for t in d.token_ids]
+    tokens = [t for _ in iter(engine.has_unfinished, False) for d in engine.step().deltas for t in d.token_ids]
     assert len(tokens) == 93 and engine.kv_stats().blocks_used == 0
     with pytest.raises(ValueError, match="maximum context length is 96"):
         engine.validate([5, 6, 7], SamplingParams(max_tokens=94))
@@ -231,7 +231,7 @@ def test_step_reports_each_finished_request_once(demo_dir):
         steps += 1
         if steps == 2:
             assert engine.abort("aborted")
-        for d in out:
+        for d in out.deltas:
             ended[d.request_id] = ended.get(d.request_id, 0) + d.finished
         for rid in out.finished:
             assert ended[rid] == (3 if rid == "n3" else 1)  # its last sequence ended in this very step

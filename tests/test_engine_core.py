@@ -73,7 +73,7 @@ def _reference(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> 
     engine.add_request("reference", prompt, params)
     tokens: list[int] = []
     while engine.has_unfinished():
-        tokens.extend(t for d in engine.step() for t in d.token_ids)
+        tokens.extend(t for d in engine.step().deltas for t in d.token_ids)
     return tokens
 
 

@@ -19,8 +19,8 @@ from test_prefix_cache import check_kv_invariants
 
 from nanoserve.attention import AttentionMetadata
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.stand_in import (
     STAND_IN_MAX_LEN,
     StandInModel,
@@ -139,7 +139,7 @@ def run_workload(w: Workload) -> tuple[LLMEngine, dict[tuple[str, int], list[int
                 aborted.add(str(rid))  # abort_after == 0: aborted while still waiting
         if step > last_arrival and not engine.has_unfinished():
             break
-        for delta in engine.step():
+        for delta in engine.step().deltas:
             key = (delta.request_id, delta.index)
             assert key not in finished, "a token after the end"
             assert len(delta.token_ids) == 1
@@ -215,7 +215,7 @@ def test_stand_in_is_exact_at_the_longest_context():
     engine.add_request("long", prompt, _params(16))
     tokens: list[int] = []
     while engine.has_unfinished():
-        for d in engine.step():
+        for d in engine.step().deltas:
             tokens.extend(d.token_ids)
     assert tokens == stand_in_generate(prompt, 16, vocab)
 
@@ -229,7 +229,7 @@ def _run_order(engine: LLMEngine, jobs: list[tuple[str, int]]) -> list[str]:
         engine.add_request(rid, [int(rid)] * 6, _params(3), priority=priority)
     started: list[str] = []
     while engine.has_unfinished():
-        for delta in engine.step():
+        for delta in engine.step().deltas:
             if delta.request_id not in started:
                 started.append(delta.request_id)
         check_engine(engine)
@@ -262,7 +262,7 @@ def test_long_prompt_is_chunked_while_every_decode_keeps_its_token():
         decodes = [r.key for r in engine.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         assert len(decodes) == 3
         before = long_req.num_computed_tokens
-        emitted = {(d.request_id, d.index) for d in engine.step()}
+        emitted = {(d.request_id, d.index) for d in engine.step().deltas}
         assert set(decodes) <= emitted, "a running decode was skipped for the prefill"
         assert 0 < long_req.num_computed_tokens - before <= budget - len(decodes)
         chunked_steps += 1
@@ -288,7 +288,7 @@ def test_preemption_takes_the_newest_and_keeps_its_tokens(prefix_caching: bool):
     was_preempted = False
     while engine.has_unfinished():
         generated_before = list(new.output_token_ids)
-        for d in engine.step():
+        for d in engine.step().deltas:
             emitted[d.request_id].extend(d.token_ids)
         check_engine(engine)
         if new.num_preemptions and not was_preempted:
@@ -324,7 +324,7 @@ def test_parallel_samples_share_prompt_blocks_through_the_prefix_cache():
     outputs: dict[int, list[int]] = {0: [], 1: [], 2: []}
     shared_seen = False
     while engine.has_unfinished():
-        for d in engine.step():
+        for d in engine.step().deltas:
             outputs[d.index].extend(d.token_ids)
             cached[d.index] = d.num_cached_tokens
         running = engine.scheduler.running
@@ -362,7 +362,7 @@ def test_a_request_that_waits_reports_the_hit_it_was_admitted_with():
     waited = 0
     while engine.has_unfinished():
         waited += r.status.value == "waiting"
-        for d in engine.step():
+        for d in engine.step().deltas:
             if d.request_id == "R":
                 reported = d.num_cached_tokens
         check_engine(engine)

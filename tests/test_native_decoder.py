@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from nanoserve.attention import CpuPagedAttention, TorchAttention
 from nanoserve.attention.cpu_paged import load_paged_attention
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm import build_engine
+from nanoserve.engine.builder import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model import families, load_model
 from nanoserve.model.config import ModelConfig
@@ -254,7 +254,7 @@ def test_engine_runners_use_it(demo_dir, monkeypatch):
         engine.add_request("r", list(range(10, 40)), params)
         tokens: list[int] = []
         while engine.has_unfinished():
-            tokens += [t for d in engine.step() for t in d.token_ids]
+            tokens += [t for d in engine.step().deltas for t in d.token_ids]
         return tokens
 
     engine = build_engine(args)
@@ -291,7 +291,7 @@ def _speculate(args: EngineArgs, native: bool) -> tuple[Proposals, dict[str, lis
         engine.add_request(f"r{i}", engine.tokenizer.encode_chat([{"role": "user", "content": question}]), p)
     outputs: dict[str, list[int]] = {}
     while engine.has_unfinished():
-        for d in engine.step():
+        for d in engine.step().deltas:
             outputs.setdefault(d.request_id, []).extend(d.token_ids)
     return proposals, outputs, runner.kv_cache
 

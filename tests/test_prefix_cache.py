@@ -327,11 +327,11 @@ def test_a_burst_with_one_prefix_computes_it_once():
     prompts = [[*prefix, 1 + i, 2 * i + 3] for i in range(4)]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=5, temperature=0.0))
-    first = engine.step()
+    first = engine.step().deltas
     assert [d.request_id for d in first] == ["0"]  # the others wait one step for its prefix
     outputs = {d.request_id: list(d.token_ids) for d in first}
     while engine.has_unfinished():
-        for d in engine.step():
+        for d in engine.step().deltas:
             outputs.setdefault(d.request_id, []).extend(d.token_ids)
     assert [outputs[str(i)] for i in range(4)] == [stand_in_generate(p, 5) for p in prompts]
     stats = engine.kv_stats()

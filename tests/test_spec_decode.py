@@ -130,7 +130,7 @@ def test_ngram_speculation_is_exact_on_the_stand_in(block_size):
         engine.add_request(str(i), p, params)
     outputs: dict[str, list[int]] = {}
     while engine.has_unfinished():
-        for d in engine.step():
+        for d in engine.step().deltas:
             outputs.setdefault(d.request_id, []).extend(d.token_ids)
     for i, p in enumerate(prompts):
         assert outputs[str(i)] == stand_in_generate(p, 24, 64)

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.scheduler import StepPlan
+from nanoserve.engine.sequence import Sequence
 
 
 class PreparedBatch(NamedTuple):

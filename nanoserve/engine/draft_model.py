@@ -23,16 +23,16 @@ import torch
 
 from nanoserve.attention import AttentionBackend
 from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampler import inverse_cdf, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode import Proposal
 from nanoserve.kv.manager import KVCacheManager
 
 
 @dataclass(slots=True)
 class _Shadow:
-    draft_seq: Sequence  # the draft-side sequence: its table, all_token_ids and num_computed_tokens
+    mirror: Sequence  # the draft-side sequence: its table, all_token_ids and num_computed_tokens
     base: int  # the target's length when the last drafts were proposed
     generator: torch.Generator | None
 
@@ -58,10 +58,10 @@ class DraftModelProposer:
         active: list[tuple[Sequence, _Shadow, int]] = []
         for seq, k in zip(seqs, budgets, strict=True):
             shadow = self._shadow(seq)
-            shadow.draft_seq.all_token_ids = list(seq.all_token_ids)
+            shadow.mirror.all_token_ids = list(seq.all_token_ids)
             shadow.base = seq.num_tokens
             # K/V up to the last draft but one: the last draft is only proposed, never fed.
-            if self.kv.allocate(shadow.draft_seq.table, seq.num_tokens + k - 1):
+            if self.kv.allocate(shadow.mirror.table, seq.num_tokens + k - 1):
                 active.append((seq, shadow, k))
             else:
                 self.release(seq)
@@ -70,20 +70,20 @@ class DraftModelProposer:
         any_greedy = any(seq.params.greedy for seq, _, _ in active)
         step = 0
         while active:
-            plan = StepPlan([(s.draft_seq, s.draft_seq.num_tokens - s.draft_seq.num_computed_tokens) for _, s, _ in active])
+            plan = StepPlan([(s.mirror, s.mirror.num_tokens - s.mirror.num_computed_tokens) for _, s, _ in active])
             if all(seq.params.greedy for seq, _, _ in active):  # the passes left in one native call, where it runs
-                native = self.runner.draft_greedy(plan, {s.draft_seq: k - step for _, s, k in active}, self.min_confidence)
+                native = self.runner.draft_greedy(plan, {s.mirror: k - step for _, s, k in active}, self.min_confidence)
                 if native is not None:
                     for seq, shadow, _ in active:
-                        drafts[seq] += native[shadow.draft_seq]
-                        shadow.draft_seq.all_token_ids += native[shadow.draft_seq]
-                        shadow.draft_seq.num_computed_tokens = shadow.draft_seq.num_tokens - 1  # all but the last draft
+                        drafts[seq] += native[shadow.mirror]
+                        shadow.mirror.all_token_ids += native[shadow.mirror]
+                        shadow.mirror.num_computed_tokens = shadow.mirror.num_tokens - 1  # all but the last draft
                     break
             logits, batch = self.runner.forward(plan)
             # Logits rows follow `batch.sampled` (the plan's order). Greedy rows draft the argmax (q is
             # a point mass: nothing to keep); sampled rows draw from q, all in one `sampling_probs`,
             # each with one uniform from its own stream.
-            by_seq = {shadow.draft_seq: (seq, shadow) for seq, shadow, _ in active}
+            by_seq = {shadow.mirror: (seq, shadow) for seq, shadow, _ in active}
             pairs = [by_seq[s] for s in batch.sampled]
             tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist() if any_greedy else [0] * len(pairs)
             sampled = [row for row, (seq, _) in enumerate(pairs) if not seq.params.greedy]
@@ -100,9 +100,9 @@ class DraftModelProposer:
                 confident = (conf[:, 0] >= self.min_confidence).tolist()
             stopped = set()
             for (seq, shadow), token, ok in zip(pairs, tokens, confident, strict=True):
-                shadow.draft_seq.num_computed_tokens = shadow.draft_seq.num_tokens
+                shadow.mirror.num_computed_tokens = shadow.mirror.num_tokens
                 drafts[seq].append(token)
-                shadow.draft_seq.all_token_ids.append(token)
+                shadow.mirror.all_token_ids.append(token)
                 if not ok:
                     stopped.add(seq)
             step += 1
@@ -113,13 +113,13 @@ class DraftModelProposer:
     def accepted(self, seq: Sequence, num_accepted: int) -> None:
         shadow = self._shadows.get(seq.key)
         if shadow is not None:  # its K/V after the accepted drafts belongs to rejected tokens
-            mirror = shadow.draft_seq
+            mirror = shadow.mirror
             mirror.num_computed_tokens = min(mirror.num_computed_tokens, shadow.base + num_accepted)
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq.key, None)
         if shadow is not None:
-            self.kv.free(shadow.draft_seq.table, shadow.draft_seq.all_token_ids, 0)
+            self.kv.free(shadow.mirror.table, shadow.mirror.all_token_ids, 0)
 
     def _shadow(self, seq: Sequence) -> _Shadow:
         shadow = self._shadows.get(seq.key)

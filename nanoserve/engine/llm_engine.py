@@ -27,9 +27,9 @@ from nanoserve.engine.outputs import (
     SequenceProgress,
     StepOutput,
 )
-from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.spec_decode import Proposer, SpecStats
 from nanoserve.kv.manager import KVCacheManager
 from nanoserve.tokenizer import Tokenizer

@@ -17,9 +17,9 @@ import torch
 
 from nanoserve.attention import AttentionBackend
 from nanoserve.engine.batch import prepare_batch
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import StepPlan
+from nanoserve.engine.sequence import Sequence
 from nanoserve.kv.manager import BlockTable
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ import torch
 from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from nanoserve.engine.batch import PreparedBatch, prepare_batch
 from nanoserve.engine.cuda_graph import DecodeGraphs
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode import Proposal, verify, verify_greedy
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.native_decoder import NativeDecoder

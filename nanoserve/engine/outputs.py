@@ -4,7 +4,6 @@ engine's state for a front end, and the limits a request is validated against.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -41,16 +40,10 @@ class StepOutput:
     """One engine step: a delta per sequence that produced tokens or ended, and the ids of the
     requests whose last sequence ended in this step. Each request is reported in `finished`
     exactly once, in the step that carries its last delta; an aborted request never is (its end
-    is the caller's own action). Iterating yields the deltas."""
+    is the caller's own action)."""
 
     deltas: list[SequenceDelta]
     finished: list[str] = field(default_factory=list)
-
-    def __iter__(self) -> Iterator[SequenceDelta]:
-        return iter(self.deltas)
-
-    def __len__(self) -> int:
-        return len(self.deltas)
 
 
 class SequenceProgress(NamedTuple):

@@ -23,8 +23,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.sampler import inverse_cdf
+from nanoserve.engine.sequence import Sequence
 
 
 class Proposal(NamedTuple):
