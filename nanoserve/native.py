@@ -47,7 +47,6 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-
 class LayerWeights(ctypes.Structure):
     """kernels.h's LayerWeights: one decoder layer's parameter addresses (None for a parameter the
     family lacks), each weight dense in the model's dtype."""
