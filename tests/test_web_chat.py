@@ -330,3 +330,29 @@ def test_markdown_is_rendered_and_html_in_model_output_is_escaped(browser_page: 
     page.get_by_test_id("new-chat").click()
     assert page.get_by_test_id("conversation").count() == 2
     assert page.get_by_test_id("message").count() == 0
+
+
+def test_reasoning_content_deltas_are_folded_apart_from_the_answer(browser_page: Page, url: str) -> None:
+    """A server that streams `reasoning_content` (as reasoning parsers do; the demo model has none):
+    the page's SSE reading is fed those bytes through the browser's own request routing."""
+    page = browser_page
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"reasoning_content": "First, think"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"reasoning_content": " hard."}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "The **answer**."}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+              {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions",
+               lambda route: route.fulfill(status=200, content_type="text/event-stream", body=body))
+    open_chat(page, url)
+    send(page, "Why?")
+    reply = wait_reply(page)
+    reasoning = reply.get_by_test_id("reasoning")
+    assert reasoning.get_attribute("open") is None
+    assert reasoning.locator(".reasoning-body").text_content() == "First, think hard."
+    assert reply.get_by_test_id("content").inner_text() == "The answer."
+    assert reply.get_by_test_id("content").locator("strong").inner_text() == "answer"
+    assert reply.get_by_test_id("stats").get_attribute("data-completion-tokens") == "6"
+    reasoning.locator("summary").click()  # unfolds on demand
+    assert reasoning.locator(".reasoning-body").is_visible()
