@@ -76,3 +76,29 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    """A headless Chromium (a Playwright `Browser`) for one test module; skips, saying why, where
+    no browser can be had (tests/browser.py)."""
+    from browser import launch_chromium, unavailable_reason
+
+    if reason := unavailable_reason():
+        pytest.skip(f"no browser for the web page tests: {reason}")
+    with launch_chromium() as browser:
+        yield browser
+
+
+@pytest.fixture
+def browser_page(chromium: Any) -> Iterator[Any]:
+    """A Playwright `Page` in a fresh browser context (empty localStorage, 1280x800). An uncaught
+    JavaScript error on the page fails the test."""
+    context = chromium.new_context(viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(10_000)
+    yield page
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"

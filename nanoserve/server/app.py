@@ -26,6 +26,7 @@ from nanoserve.server.async_engine import AsyncEngine
 from nanoserve.server.engine_core import EngineState
 from nanoserve.server.errors import APIError, error_body, install_error_handlers, invalid_request
 from nanoserve.server.metrics import Metrics
+from nanoserve.server.pages import register_pages
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from nanoserve.server.serving import Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
@@ -86,6 +87,7 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     if config.api_key:
         app.add_middleware(BearerAuth, api_key=config.api_key)
     _add_routes(app, serving, metrics)
+    register_pages(app)
     return app
 
 
