@@ -1,17 +1,15 @@
 """Tool calling end to end: a real server, the openai SDK, and a real checkpoint that calls a tool.
 
-The checkpoint is a tiny Qwen3 whose attention and MLP outputs are zeroed, so each next token is a
-function of the current token alone, and whose LM head is set so that after the generation prompt
-it writes `<tool_call>`, one JSON call, `</tool_call>`, then `<|im_end|>` (the three are tokens of
-its vocabulary, added to the demo tokenizer). Its chat template is Qwen's format: tools listed in
-the system turn, calls between <tool_call> tags, results in <tool_response> tags.
+The checkpoint (`successor_model`) is a tiny Qwen3 that after the generation prompt writes
+`<tool_call>`, one JSON call in three tokens (so its arguments arrive over two steps), then
+`</tool_call>` and `<|im_end|>` (tokens added to the demo tokenizer). Its chat template is Qwen's
+format: tools listed in the system turn, calls between <tool_call> tags, results in
+<tool_response> tags.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,13 +20,15 @@ import pytest
 import tokenizers
 import torch
 from fastapi import FastAPI
-from safetensors.torch import load_file, save_file
-from test_server_helpers import SERVED, make_engine, serve, wait_idle
+from successor_model import set_successors, successor_checkpoint
+from test_server_helpers import SERVED, make_engine, serve, sse_payloads, wait_idle
 
 from nanoserve.tokenizer import Tokenizer
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 CALL_TEXT = json.dumps(CALL)
+CALL_PIECES = ['{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}']  # tokens of the model
+assert "".join(CALL_PIECES) == CALL_TEXT
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -50,28 +50,12 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def tool_model(make_checkpoint: Callable[..., Path], demo_dir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tok = tokenizers.Tokenizer.from_file(str(demo_dir / "tokenizer.json"))
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    path = shutil.copytree(make_checkpoint("qwen3", vocab_size=vocab + 3, tie_word_embeddings=False),
-                           tmp_path_factory.mktemp("tool-model") / "m")
-    tok.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in ("<tool_call>", CALL_TEXT, "</tool_call>")])
-    tok.save(str(path / "tokenizer.json"))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-
-    ids = {t: tok.token_to_id(t) for t in ("<tool_call>", CALL_TEXT, "</tool_call>", "<|im_end|>")}
-    after_prompt = Tokenizer.from_pretrained_dir(path).encode_chat(MESSAGES)[-1]  # "assistant\n" in context
-    chain = [after_prompt, ids["<tool_call>"], ids[CALL_TEXT], ids["</tool_call>"], ids["<|im_end|>"]]
-    weights = load_file(path / "model.safetensors")
-    for name, w in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w.zero_()  # every layer adds nothing: the last hidden state is the token's own embedding
-    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
-    weights["model.norm.weight"].fill_(1.0)
-    head.zero_()
-    for current, following in itertools.pairwise(chain):
-        head[following] = 50 * embed[current] / embed[current].norm()
-    save_file(weights, path / "model.safetensors")
+    pieces = ["<tool_call>", *CALL_PIECES, "</tool_call>"]
+    path = successor_checkpoint(make_checkpoint, demo_dir, tmp_path_factory.mktemp("tool-model") / "m", TEMPLATE,
+                                [tokenizers.AddedToken(t, normalized=False) for t in pieces])
+    tok = Tokenizer.from_pretrained_dir(path)
+    after_prompt = tok.encode_chat(MESSAGES)[-1]  # "assistant\n" in context
+    set_successors(path, [[after_prompt, *(tok.backend.token_to_id(t) for t in [*pieces, "<|im_end|>"])]])
     return path
 
 
@@ -92,6 +76,7 @@ def test_the_model_writes_the_call(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=SERVED, messages=MESSAGES, temperature=0.0)  # type: ignore[arg-type]
     assert r.choices[0].message.content == f"<tool_call>{CALL_TEXT}</tool_call>"
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert r.usage is not None and r.usage.completion_tokens == 6  # the call's five tokens and <|im_end|>
 
 
 def test_tool_call(client: openai.OpenAI) -> None:
@@ -105,6 +90,11 @@ def test_tool_call(client: openai.OpenAI) -> None:
 
 
 def test_tool_call_streamed(client: openai.OpenAI) -> None:
+    """As OpenAI streams a call: a first chunk with the id, type, name and empty arguments, then
+    the arguments text as it is generated, in chunks of the same index; joined, they equal the
+    non-streamed call's arguments."""
+    whole = client.chat.completions.create(model=SERVED, messages=MESSAGES, tools=TOOLS, temperature=0.0)  # type: ignore[arg-type]
+    (expected,) = whole.choices[0].message.tool_calls or []
     stream = client.chat.completions.create(model=SERVED, messages=MESSAGES, tools=TOOLS, temperature=0.0,  # type: ignore[arg-type]
                                             stream=True)
     content, calls, finish = "", [], None
@@ -114,9 +104,29 @@ def test_tool_call_streamed(client: openai.OpenAI) -> None:
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     assert content == "" and finish == "tool_calls"
-    (call,) = calls
-    assert call.index == 0 and call.id and call.function.name == "get_weather"
-    assert json.loads(call.function.arguments or "") == CALL["arguments"]
+    first, *rest = calls
+    assert first.index == 0 and first.id and first.type == "function"
+    assert first.function and first.function.name == "get_weather" and first.function.arguments == ""
+    assert [c.function.arguments for c in rest if c.function] == ['{"city": ', '"Paris"}']  # as the tokens came
+    assert all(c.index == 0 and c.id is None and c.function and c.function.name is None for c in rest)
+    assert "".join(c.function.arguments or "" for c in calls if c.function) == expected.function.arguments
+    assert json.loads(expected.function.arguments) == CALL["arguments"]
+
+
+def test_streamed_calls_of_many_choices(server: tuple[str, FastAPI]) -> None:
+    """n = 3, sampled: each choice's deltas join to one call of its own, with its own id."""
+    body = {"messages": MESSAGES, "tools": TOOLS, "n": 3, "stream": True, "temperature": 0.5, "seed": 1}
+    payloads = sse_payloads(httpx.post(f"{server[0]}/v1/chat/completions", json=body, timeout=60).content)
+    arguments: dict[int, str] = {0: "", 1: "", 2: ""}
+    ids: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for p in payloads:
+        for choice in p["choices"]:
+            for call in choice["delta"].get("tool_calls", []):
+                assert call["index"] == 0
+                arguments[choice["index"]] += call["function"]["arguments"]
+                ids[choice["index"]] += [call["id"]] if "id" in call else []
+    assert all(json.loads(a) == CALL["arguments"] for a in arguments.values())
+    assert all(len(i) == 1 for i in ids.values()) and len({i[0] for i in ids.values()}) == 3
 
 
 def test_tool_choice_none_renders_no_tools(server: tuple[str, FastAPI], client: openai.OpenAI) -> None:
@@ -173,3 +183,51 @@ def test_tokens_decode_to_text(tool_model: Path) -> None:
     llm = LLM(str(tool_model), dtype=torch.float32, max_model_len=128)
     out = llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
     assert out.text == f"<tool_call>{CALL_TEXT}</tool_call>" and out.finish_reason == "stop"
+
+
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+    "{%- else %}{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}"
+    "{%- endfor %}<|im_end|>{%- endif %}"
+    "{%- endfor %}"
+)
+MISTRAL_SPECIAL = ["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                   "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[ARGS]"]
+
+
+@pytest.fixture(scope="module")
+def mistral_server(make_checkpoint: Callable[..., Path], demo_dir: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A checkpoint in Mistral's v11 format: after `[/INST]` it writes
+    `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`, the markers being special tokens."""
+    words = ["get_weather", '{"city": ', '"Paris"}']
+    added = [tokenizers.AddedToken(t, normalized=False, special=True) for t in MISTRAL_SPECIAL]
+    path = successor_checkpoint(make_checkpoint, demo_dir, tmp_path_factory.mktemp("mistral-model") / "m",
+                                MISTRAL_TEMPLATE, added + [tokenizers.AddedToken(w, normalized=False) for w in words])
+    tok = Tokenizer.from_pretrained_dir(path)
+    chain = ["[/INST]", "[TOOL_CALLS]", "get_weather", "[ARGS]", *words[1:], "<|im_end|>"]
+    set_successors(path, [[tok.backend.token_to_id(t) for t in chain]])
+    with serve(make_engine(path, max_model_len=512, num_kv_blocks=128)) as (url, app):
+        yield url
+        wait_idle(app)
+
+
+def test_mistral_tool_call(mistral_server: str) -> None:
+    """`[TOOL_CALLS]` is a special token: with tools the text keeps it (the parser needs it),
+    without them it is skipped as usual. Streamed deltas join to the non-streamed call."""
+    client = openai.OpenAI(base_url=f"{mistral_server}/v1", api_key="unused", max_retries=0)
+    plain = client.chat.completions.create(model=SERVED, messages=MESSAGES, temperature=0.0)  # type: ignore[arg-type]
+    assert plain.choices[0].message.content == 'get_weather{"city": "Paris"}'
+    r = client.chat.completions.create(model=SERVED, messages=MESSAGES, tools=TOOLS, temperature=0.0)  # type: ignore[arg-type]
+    (call,) = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Paris"}'
+    stream = client.chat.completions.create(model=SERVED, messages=MESSAGES, tools=TOOLS, temperature=0.0,  # type: ignore[arg-type]
+                                            stream=True)
+    calls = [c for chunk in stream for c in chunk.choices[0].delta.tool_calls or []]
+    assert calls[0].function and calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
+    assert "".join(c.function.arguments or "" for c in calls if c.function) == call.function.arguments

@@ -18,6 +18,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
 from nanoserve.server.engine_core import EngineState
 from nanoserve.server.launcher import serve_until_signal
+from nanoserve.server.reasoning_parsers import REASONING_PARSER_NAMES
 from nanoserve.server.tool_parsers import PARSER_NAMES
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default="auto",
                    help="how tool calls appear in the model's output: hermes (<tool_call> JSON, Qwen), llama3_json "
-                        "(Llama 3.x), none, or auto (read from the chat template)")
+                        "(Llama 3.x), mistral ([TOOL_CALLS]), none, or auto (read from the chat template)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default="auto",
+                   help="return the <think> block of chat replies as reasoning_content: deepseek_r1 (replies start in "
+                        "it), qwen3 (only when they open it), none, or auto (read from the chat template)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="send each request's new tokens every N engine steps (and at its first token and its end); "
                         "N > 1 saves serving work at the cost of burstier streams")
@@ -60,7 +64,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.engine_core == "thread":
         engine = functools.partial(build_engine, args)
     app = build_app(engine, ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser,
-                                         ns.stream_interval), on_load_failure=shut_down)
+                                         ns.stream_interval, reasoning_parser=ns.reasoning_parser),
+                    on_load_failure=shut_down)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=ns.shutdown_timeout,
                             log_level=logging.getLevelName(logging.getLogger().level).lower())
     server = uvicorn.Server(config)

@@ -48,11 +48,14 @@ class LLM:
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Renders each conversation through the model's chat template, then generates."""
+        """Renders each conversation through the model's chat template (with the extra template
+        variables `chat_template_kwargs`, e.g. `enable_thinking`), then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         assert self.tokenizer is not None
-        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                                              **(chat_template_kwargs or {}))
                    for c in conversations]
         return self.generate(prompts, sampling_params)
 

@@ -28,6 +28,7 @@ from nanoserve.server.errors import APIError, error_body, install_error_handlers
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.pages import register_pages
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nanoserve.server.reasoning_parsers import REASONING_PARSER_NAMES
 from nanoserve.server.serving import Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
@@ -47,11 +48,15 @@ class ServerConfig:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     tool_call_parser: str = "auto"  # auto (from the chat template), hermes, llama3_json or none
     stream_interval: int = 1  # steps between a request's outputs (see AsyncEngine)
+    reasoning_parser: str = "auto"  # auto (from the chat template), deepseek_r1, qwen3 or none
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose one of "
                              f"{', '.join(PARSER_NAMES)}")
+        if self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of "
+                             f"{', '.join(REASONING_PARSER_NAMES)}")
 
 
 def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: ServerConfig | None = None,
@@ -71,7 +76,7 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     metrics = Metrics()
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
                                stream_interval=config.stream_interval, on_load_failure=on_load_failure)
-    serving = Serving(async_engine, name, config.tool_call_parser)
+    serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

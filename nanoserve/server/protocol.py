@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Literal, cast
+import keyword
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +21,8 @@ from nanoserve.server.errors import APIError, bad_request
 _CONFIG = ConfigDict(strict=True, extra="allow")
 _SEED_BOUND = 2**63  # torch seeds are 64-bit; n > 1 adds the sample index to the seed
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# Template variables that the request's own fields (or the tokenizer) set: not overridable.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class StreamOptions(BaseModel):
@@ -147,6 +150,20 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables for the chat template (e.g. `enable_thinking`): JSON values under names
+        a template can read, none of them one the request sets otherwise."""
+        kwargs = self.chat_template_kwargs or {}
+        for name in kwargs:
+            if name in RESERVED_TEMPLATE_NAMES:
+                raise APIError(400, f"chat_template_kwargs may not set `{name}`; it comes from the request",
+                               param="chat_template_kwargs")
+            if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
+                raise APIError(400, f"chat_template_kwargs has a name a template cannot read: {name!r}",
+                               param="chat_template_kwargs")
+        return kwargs
 
     def template_tools(self) -> list[dict[str, object]] | None:
         """The tools to render into the prompt: None without tools or with tool_choice "none".

@@ -28,6 +28,7 @@ from nanoserve.server.async_engine import (
 )
 from nanoserve.server.engine_core import EngineInfo, EngineState
 from nanoserve.server.errors import APIError
+from nanoserve.server.reasoning_parsers import reasoning_parser_name
 from nanoserve.server.tool_parsers import ToolCallParser, parser_factory
 from nanoserve.tokenizer import Tokenizer
 
@@ -43,15 +44,20 @@ class Serving:
     engine: AsyncEngine
     model_name: str
     tool_call_parser: str = "auto"  # see nanoserve.server.tool_parsers.PARSER_NAMES
+    reasoning_parser: str = "auto"  # see nanoserve.server.reasoning_parsers.REASONING_PARSER_NAMES
 
-    def tool_parser(self, tok: Tokenizer) -> Callable[[], ToolCallParser]:
+    def tool_parser(self, tok: Tokenizer) -> type[ToolCallParser]:
         """The parser of tool calls in this model's output, or a 400 when there is none: the chat
         template shows no format nanoserve knows and no `--tool-call-parser` names one."""
         parser = parser_factory(self.tool_call_parser, tok.tool_chat_template or tok.chat_template)
         if parser is None:
             raise APIError(400, "this model's chat template shows no tool-call format nanoserve can parse; start the "
-                           "server with --tool-call-parser hermes or llama3_json", param="tools")
+                           "server with --tool-call-parser hermes, llama3_json or mistral", param="tools")
         return parser
+
+    def reasoning_format(self, tok: Tokenizer) -> str | None:
+        """The reasoning parser of this model's chat replies (None: the text has no think block)."""
+        return reasoning_parser_name(self.reasoning_parser, tok.chat_template)
 
     def running_info(self) -> EngineInfo:
         """The loaded engine's tokenizer and limits, or a 503 while it is loading, dead or shutting

@@ -4,18 +4,20 @@ Stream shape (OpenAI's): per choice a first chunk with the role, then content ch
 chunk with an empty delta and the finish_reason; with include_usage a final chunk with empty
 choices and the usage; then [DONE]. An engine failure mid-stream is an error event, then [DONE].
 
-With `tools` (and tool_choice "auto"), the tools are rendered into the prompt by the chat template
-and each choice's text goes through the model's tool-call parser (`tool_parsers`): content chunks
-carry only the text outside calls, each complete call is one chunk with the whole call (its
-`tool_calls[0].index` counting the choice's calls), and a choice that called tools ends with
-finish_reason "tool_calls" (unless it ran out of tokens).
+With a reasoning parser (`--reasoning-parser`, or read from the chat template), the text of the
+think block goes to `reasoning_content` (`delta.reasoning_content` in a stream), the rest to
+`content`. With `tools` (and tool_choice "auto"), the tools are rendered into the prompt by the
+chat template and each choice's content goes through the model's tool-call parser
+(`tool_parsers`): content chunks carry only the text outside calls; a call streams as OpenAI's do,
+a first chunk with its id and name, then chunks of argument text with the same
+`tool_calls[0].index` (counting the choice's calls); a choice that called tools ends with
+finish_reason "tool_calls" (unless it ran out of tokens). See `chat_output`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
@@ -25,9 +27,11 @@ from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
+from nanoserve.server.chat_output import ChatOutputFormat, tool_call_chunks
 from nanoserve.server.engine_core import EngineInfo
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest
+from nanoserve.server.reasoning_parsers import starts_in_reasoning
 from nanoserve.server.serving import (
     ChoiceOutput,
     Serving,
@@ -39,7 +43,6 @@ from nanoserve.server.serving import (
     stream_error,
     validate_prompt,
 )
-from nanoserve.server.tool_parsers import ToolCall, ToolCallParser
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -52,7 +55,7 @@ def prepare_chat(info: EngineInfo, body: ChatCompletionRequest) -> tuple[list[in
     messages = [m.to_template() for m in body.messages]
     try:
         ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
-                              tools=body.template_tools())
+                              tools=body.template_tools(), **body.template_kwargs())
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
     max_tokens = body.requested_max_tokens()
@@ -63,43 +66,35 @@ def prepare_chat(info: EngineInfo, body: ChatCompletionRequest) -> tuple[list[in
     return ids, params
 
 
+# Prompt tokens read to see whether the template left a think block open (or closed it empty).
+_PROMPT_TAIL_TOKENS = 16
+
+
 async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
     serving.check_request(body, body.model)
     info = serving.running_info()
     tok = serving.tokenizer()
-    parser = serving.tool_parser(tok) if body.template_tools() is not None else None
+    tools = serving.tool_parser(tok) if body.template_tools() is not None else None
+    reasoning = serving.reasoning_format(tok)
     ids, params = await asyncio.to_thread(prepare_chat, info, body)
+    if tools is not None and tools.needs_special_tokens and body.skip_special_tokens is None:
+        params.skip_special_tokens = False  # the format's markers are special tokens
+    in_reasoning = reasoning is not None and starts_in_reasoning(
+        reasoning, tok.decode(ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+    output = ChatOutputFormat(tools, reasoning is not None, in_reasoning)
     stream = serving.submit([ids], params, body.priority or 0, "chatcmpl")
     if body.stream:
-        events = _events(serving, stream, tok, params.n, body.include_usage, parser)
+        events = _events(serving, stream, tok, params.n, body.include_usage, output)
         return sse.SSEResponse(events, on_close=stream.close)
-    return await _complete(serving, stream, tok, params.n, request, parser)
-
-
-def tool_call_body(call: ToolCall) -> dict[str, Any]:
-    """A call as the API carries it, with a fresh id."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+    return await _complete(serving, stream, tok, params.n, request, output)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def _message(text: str, parser: Callable[[], ToolCallParser] | None) -> dict[str, Any]:
-    if parser is None:
-        return {"role": "assistant", "content": text}
-    p = parser()
-    content, calls = p.push(text)
-    rest, more = p.finish()
-    content, calls = content + rest, calls + more
-    if not calls:
-        return {"role": "assistant", "content": content}
-    return {"role": "assistant", "content": content or None, "tool_calls": [tool_call_body(c) for c in calls]}
-
-
 async def _complete(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int, request: Request,
-                    parser: Callable[[], ToolCallParser] | None) -> Response:
+                    output: ChatOutputFormat) -> Response:
     choices = [ChoiceOutput() for _ in range(n)]
     usage = UsageTally()
 
@@ -112,7 +107,7 @@ async def _complete(serving: Serving, stream: OutputStream, tok: Tokenizer, n: i
             return Response(status_code=499)
     except EngineError as e:
         raise engine_error(e) from e
-    messages = [_message("".join(c.text), parser) for c in choices]
+    messages = [output.message("".join(c.text)) for c in choices]
     return JSONResponse({
         "id": stream.id, "object": "chat.completion", "created": now_s(), "model": serving.model_name,
         "choices": [{"index": i, "message": m, "logprobs": None if c.logprobs is None else {"content": c.logprobs},
@@ -123,7 +118,7 @@ async def _complete(serving: Serving, stream: OutputStream, tok: Tokenizer, n: i
 
 
 async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int, include_usage: bool,
-                  parser: Callable[[], ToolCallParser] | None) -> AsyncGenerator[bytes, None]:
+                  output: ChatOutputFormat) -> AsyncGenerator[bytes, None]:
     base: dict[str, Any] = {"id": stream.id, "object": "chat.completion.chunk", "created": now_s(),
                             "model": serving.model_name}
     usage_field = {"usage": None} if include_usage else {}
@@ -135,14 +130,7 @@ async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int
         return sse.event({**base, "choices": [choice], **usage_field})
 
     usage = UsageTally()
-    parsers = [parser() for _ in range(n)] if parser is not None else None
-    num_calls = [0] * n
-
-    def calls_chunk(index: int, calls: list[ToolCall]) -> bytes:
-        tool_calls = [{"index": num_calls[index] + j, **tool_call_body(c)} for j, c in enumerate(calls)]
-        num_calls[index] += len(calls)
-        return chunk(index, {"tool_calls": tool_calls})
-
+    parsers = [output.parser() for _ in range(n)]
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -150,19 +138,20 @@ async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, n: int
             for d in deltas:
                 usage.add(d)
                 logprobs = chat_logprobs(tok, d) if d.logprobs is not None else None
-                text = d.text
-                calls: list[ToolCall] = []
-                if parsers is not None:
-                    text, calls = parsers[d.index].push(d.text)
-                    if d.finished:
-                        rest, more = parsers[d.index].finish()
-                        text, calls = text + rest, calls + more
-                if text or logprobs:
-                    yield chunk(d.index, {"content": text}, logprobs)
-                if calls:
-                    yield calls_chunk(d.index, calls)
+                parser = parsers[d.index]
+                reasoning, text, calls = parser.push(d.text)
                 if d.finished:
-                    yield chunk(d.index, {}, finish_reason=_finish_reason(d.finish_reason, num_calls[d.index] > 0))
+                    last = parser.finish()
+                    reasoning, text, calls = reasoning + last.reasoning, text + last.content, calls + last.calls
+                delta: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+                if text or logprobs:
+                    delta["content"] = text
+                if delta:
+                    yield chunk(d.index, delta, logprobs)
+                for tool_calls in tool_call_chunks(calls):
+                    yield chunk(d.index, {"tool_calls": tool_calls})
+                if d.finished:
+                    yield chunk(d.index, {}, finish_reason=_finish_reason(d.finish_reason, parser.num_calls > 0))
         if include_usage:
             yield sse.event({**base, "choices": [], "usage": usage.body()})
     except Exception as e:
