@@ -244,9 +244,9 @@ class LLMEngine:
             kept.append(token)
             if (not p.ignore_eos and token in self.stop_token_ids) or token in p.stop_token_ids:
                 reason = "stop"
+            elif seq.grammar is not None and not seq.grammar.accept(token):
+                reason = "abort"  # cannot happen for a correct grammar engine; ends this sequence only
             else:
-                if seq.grammar is not None:
-                    seq.grammar.accept(token)
                 if stream is not None:
                     text += stream.push(token)
                     if stream.stopped:

@@ -74,11 +74,13 @@ class GrammarMatcher:
         self._matcher = matcher
         self._compiler: GrammarCompiler | None = compiler
 
-    def accept(self, token: int) -> None:
-        """Advances by one appended token. Raises RuntimeError for a token the grammar forbids
-        (never a masked sample: that would be a bug)."""
-        if not self._matcher.consume_token(token):
-            raise RuntimeError(f"the grammar rejected token {token}: {self._matcher.get_error()}")
+    def accept(self, token: int) -> bool:
+        """Advances by one appended token; False (the matcher then stays in its error state) if
+        the grammar rejects it, which a token its mask allowed should never be."""
+        if self._matcher.consume_token(token):
+            return True
+        log.error("the grammar rejected token %d, which its mask allowed: %s", token, self._matcher.get_error())
+        return False
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,8 @@ Stream shape (OpenAI's): per choice a first chunk with the role, then content ch
 chunk with an empty delta and the finish_reason; with include_usage a final chunk with empty
 choices and the usage; then [DONE]. An engine failure mid-stream is an error event, then [DONE].
 
-With `tools` (and tool_choice "auto"), the tools are rendered into the prompt by the chat template
+With `tools` (tool_choice "auto", or "required" or a named function, which force the call through
+a grammar: see `forced_tools`), the tools are rendered into the prompt by the chat template
 and each choice's text goes through the model's tool-call parser (`tool_parsers`): content chunks
 carry only the text outside calls, each complete call is one chunk with the whole call (its
 `tool_calls[0].index` counting the choice's calls), and a choice that called tools ends with
@@ -14,6 +15,7 @@ finish_reason "tool_calls" (unless it ran out of tokens).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -27,6 +29,7 @@ from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
 from nanoserve.server.engine_core import EngineInfo
 from nanoserve.server.errors import APIError
+from nanoserve.server.forced_tools import forced_tool_calls
 from nanoserve.server.protocol import ChatCompletionRequest
 from nanoserve.server.serving import (
     ChoiceOutput,
@@ -69,6 +72,12 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     tok = serving.tokenizer()
     parser = serving.tool_parser(tok) if body.template_tools() is not None else None
     ids, params = await asyncio.to_thread(prepare_chat, info, body)
+    if (forced := body.forced_tools()) is not None:
+        assert parser is not None  # a forced call comes with tools, and tools with a parser
+        params = dataclasses.replace(params, structured=forced_tool_calls(
+            parser, forced, body.parallel_tool_calls is not False, tok))
+    constraint = body.structured()
+    await serving.grammars.check(tok, params, "tool_choice" if constraint is None else constraint[0])
     stream = serving.submit([ids], params, body.priority or 0, "chatcmpl")
     if body.stream:
         events = _events(serving, stream, tok, params.n, body.include_usage, parser)
