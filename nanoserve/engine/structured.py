@@ -96,10 +96,11 @@ class GrammarMatcher:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
     """The packed masks [n, words] int32 (little-endian bit order) as booleans [n, vocab_size] on
-    `device`: the bytes index a 256 x 8 table, one gather instead of 32 shifts per word."""
+    `device`: each byte selects its 8 booleans from a 256 x 8 table in one flat `index_select`
+    (far cheaper than 32 shifts per word, or than indexing the table with a 2-D index)."""
     table = ((torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1).bool()
-    as_bytes = bitmask.to(device).view(torch.uint8).long()  # [n, 4 * words]; byte k holds tokens 8k .. 8k + 7
-    return table[as_bytes].flatten(1)[:, :vocab_size]
+    as_bytes = bitmask.to(device).view(torch.uint8)  # [n, 4 * words]; byte k holds tokens 8k .. 8k + 7
+    return table.index_select(0, as_bytes.flatten().long()).view(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 class GrammarCompiler:
