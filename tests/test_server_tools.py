@@ -155,9 +155,53 @@ def test_conversation_with_a_tool_result(server: tuple[str, FastAPI], client: op
     assert r.choices[0].finish_reason == "tool_calls"
 
 
+BOUNDED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_call(client: openai.OpenAI, choice: Any, stream: bool) -> None:
+    """tool_choice "required" or a named function forces a call through the grammar: whatever
+    the model would write, the message is calls to the allowed functions with valid arguments;
+    with parallel_tool_calls false, exactly one."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED_TOOLS}
+    allowed = set(schemas) if choice == "required" else {"get_time"}
+    for seed in range(2):
+        kwargs: Any = dict(model=SERVED, messages=MESSAGES, tools=BOUNDED_TOOLS, tool_choice=choice, seed=seed,
+                           temperature=1.0, parallel_tool_calls=False, max_tokens=100)
+        if stream:
+            calls: dict[int, Any] = {}
+            finish = None
+            for chunk in client.chat.completions.create(**kwargs, stream=True):
+                for c in chunk.choices[0].delta.tool_calls or []:
+                    entry = calls.setdefault(c.index, {"name": "", "arguments": ""})
+                    entry["name"] += (c.function and c.function.name) or ""
+                    entry["arguments"] += (c.function and c.function.arguments) or ""
+                finish = chunk.choices[0].finish_reason or finish
+            made = list(calls.values())
+        else:
+            r = client.chat.completions.create(**kwargs)
+            finish = r.choices[0].finish_reason
+            made = [{"name": c.function.name, "arguments": c.function.arguments}
+                    for c in r.choices[0].message.tool_calls or []]
+        assert finish == "tool_calls" and len(made) == 1
+        assert made[0]["name"] in allowed
+        jsonschema.validate(json.loads(made[0]["arguments"]), schemas[made[0]["name"]])
+
+
 @pytest.mark.parametrize(("body", "param"), [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": None}, "tool_choice"),
+    ({"tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
 ])

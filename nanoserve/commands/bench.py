@@ -1,11 +1,13 @@
 """`nanoserve bench`: benchmarks. `bench throughput` runs random requests through the engine offline
 (optionally beside peers, with the rooflines); `bench serve` load-tests an OpenAI-compatible server;
-`bench shape` prints the folder of a `--model-shape` preset (to serve it)."""
+`bench shape` prints the folder of a `--model-shape` preset (to serve it); `bench structured`
+compares decode steps constrained by a JSON schema with unconstrained ones."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +18,7 @@ import torch
 
 from nanoserve.bench.peers import PEERS, check_peers
 from nanoserve.bench.shapes import PRESETS, parse_overrides, shape_checkpoint
+from nanoserve.bench.structured import format_costs, structured_step_costs
 from nanoserve.bench.throughput import COMPARISONS, ThroughputConfig, run_throughput
 from nanoserve.bench.workloads import WORKLOADS
 from nanoserve.commands.bench_spec import register_spec
@@ -53,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run)
     _register_serve(kinds)
     register_spec(kinds)
+    _register_structured(kinds)
     s = kinds.add_parser("shape", help="print the folder of a --model-shape preset (written on first use)")
     s.add_argument("name", choices=sorted(PRESETS))
     s.add_argument("--shape-override", nargs="+", default=[], metavar="KEY=VALUE", help="config fields to replace")
@@ -97,6 +101,36 @@ def run(ns: argparse.Namespace) -> int:
     report = run_throughput(cfg)
     print(report.format())
     _write_json(ns.json, report.to_dict())
+    return 0
+
+
+def _register_structured(kinds: argparse._SubParsersAction) -> None:
+    g = kinds.add_parser("structured", help="per-step cost of structured output (JSON schema) vs unconstrained",
+                         description="Decode steps of B sequences all constrained by a JSON schema against the "
+                                     "same B unconstrained, alternating, median step of each.")
+    add_model_arg(g)
+    g.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64], metavar="B")
+    g.add_argument("--steps", type=int, default=16, help="decode steps timed per run")
+    g.add_argument("--rounds", type=int, default=3, help="alternations of the two runs per batch size")
+    g.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    _add_shape_args(g)
+    add_engine_args(g)
+    g.set_defaults(func=_run_structured)
+
+
+def _run_structured(ns: argparse.Namespace) -> int:
+    from nanoserve.engine.builder import build_engine
+
+    if ns.threads is not None:
+        torch.set_num_threads(ns.threads)
+    ns.model = _shape_model(ns)
+    args = engine_args_from(ns)
+    largest = max(ns.batch_sizes)
+    overrides: dict[str, Any] = {"max_num_seqs": max(args.max_num_seqs, largest)}
+    if args.max_model_len is None:
+        overrides["max_model_len"] = 32 + ns.steps + 64
+    engine = build_engine(dataclasses.replace(args, **overrides))
+    print(format_costs(structured_step_costs(engine, tuple(ns.batch_sizes), ns.steps, rounds=ns.rounds)))
     return 0
 
 

@@ -31,6 +31,7 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.spec_decode import Proposer, SpecStats
+from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.kv.manager import KVCacheManager
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.tokenizer.text_stream import TextStream
@@ -71,6 +72,10 @@ class LLMEngine:
         self.limits = EngineLimits(self.max_model_len, num_blocks, args.block_size, self.kv.reserve_blocks,
                                    runner.vocab_size, tokenizer is not None)
         self.proposer = proposer
+        # Structured output needs the tokenizer (the grammar is over its tokens' bytes).
+        self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer)
+        runner.grammars = self.grammars
+        self._told_no_drafts = False  # logged once that constrained sequences get no drafts
         self.num_speculative_tokens = args.num_speculative_tokens
         self.spec_stats = SpecStats()
         self._groups: dict[str, _Group] = {}
@@ -146,9 +151,19 @@ class LLMEngine:
         return {r.key: SequenceProgress(r.status is Status.RUNNING, r.num_tokens, r.num_computed_tokens)
                 for r in (*self.scheduler.running, *self.scheduler.waiting)}
 
+    @property
+    def num_live_grammars(self) -> int:
+        """Grammar matchers held by unfinished sequences."""
+        return 0 if self.grammars is None else self.grammars.num_live
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError, with the numbers, when a request can never run."""
+        """Raises ValueError, with the numbers, when a request can never run, and with the
+        compiler's message when its structured-output constraint does not compile."""
         self.limits.validate(prompt_ids, params)
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            self.grammars.compile(params.structured)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
@@ -163,6 +178,10 @@ class LLMEngine:
             group.sequences.append(seq)
             group.streams.append(None if self.tokenizer is None else TextStream(
                 self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens))
+        if params.structured is not None:
+            assert self.grammars is not None  # validate checked it
+            for seq in group.sequences:
+                seq.grammar = self.grammars.matcher(params.structured)
         for seq in group.sequences:  # only once every sequence was built: all or nothing
             self.scheduler.add(seq)
         self._groups[request_id] = group
@@ -175,6 +194,7 @@ class LLMEngine:
             return False
         for seq in group.sequences:
             self.scheduler.finish(seq, "abort")
+            self._release_grammar(seq)
             self.runner.release(seq)
             if self.proposer is not None:
                 self.proposer.release(seq)
@@ -224,10 +244,15 @@ class LLMEngine:
             kept.append(token)
             if (not p.ignore_eos and token in self.stop_token_ids) or token in p.stop_token_ids:
                 reason = "stop"
-            elif stream is not None:
-                text += stream.push(token)
-                if stream.stopped:
-                    reason = "stop"
+            elif seq.grammar is not None and not seq.grammar.accept(token):
+                reason = "abort"  # cannot happen for a correct grammar engine; ends this sequence only
+            else:
+                if stream is not None:
+                    text += stream.push(token)
+                    if stream.stopped:
+                        reason = "stop"
+                if seq.grammar is not None and seq.grammar.finished:
+                    reason = "stop"  # the output is complete: only EOS could follow
             if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
                 reason = "length"
             if reason is not None:
@@ -239,12 +264,19 @@ class LLMEngine:
         return SequenceDelta(seq.request_id, seq.index, kept, text, reason, num_prompt_tokens=seq.num_prompt_tokens,
                              num_cached_tokens=max(seq.num_cached_tokens, 0))
 
+    @staticmethod
+    def _release_grammar(seq: Sequence) -> None:
+        if seq.grammar is not None:
+            seq.grammar.close()
+            seq.grammar = None
+
     def _propose(self) -> None:
         """Drafts for every running sequence in decode whose sampling speculation keeps exact:
-        no penalties (they would change between drafts), no logprobs, min_tokens reached; none while
-        more sequences run than `speculative_disable_by_batch_size` (a batch that large already
-        reads each weight once for many tokens, so drafts cost more than they save; a draft model
-        catches up on the tokens it missed when it drafts again)."""
+        no penalties (they would change between drafts), no logprobs, min_tokens reached, no grammar
+        (its mask would have to follow each draft); none while more sequences run than
+        `speculative_disable_by_batch_size` (a batch that large already reads each weight once for
+        many tokens, so drafts cost more than they save; a draft model catches up on the tokens it
+        missed when it drafts again)."""
         assert self.proposer is not None
         limit = self.args.speculative_disable_by_batch_size
         if limit is not None and len(self.scheduler.running) > limit:
@@ -252,6 +284,11 @@ class LLMEngine:
         candidates, budgets = [], []
         for seq in self.scheduler.running:
             p = seq.params
+            if seq.grammar is not None:
+                if not self._told_no_drafts:
+                    log.info("speculative decoding: constrained (structured-output) sequences get no drafts")
+                    self._told_no_drafts = True
+                continue
             if (seq.num_tokens - seq.num_computed_tokens != 1 or p.uses_penalties or p.logprobs is not None
                     or seq.num_output_tokens < p.min_tokens):
                 continue
@@ -266,6 +303,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        self._release_grammar(seq)
         self.runner.release(seq)
         if self.proposer is not None:
             self.proposer.release(seq)

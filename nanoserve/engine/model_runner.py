@@ -8,6 +8,7 @@ a captured CUDA graph (`cuda_graph`), or on the CPU the whole decoder in one nat
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
 import torch
@@ -19,6 +20,7 @@ from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, samp
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode import Proposal, verify, verify_greedy
+from nanoserve.engine.structured import GrammarCompiler, unpack_bitmask
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.native_decoder import NativeDecoder
 
@@ -60,6 +62,9 @@ def _proposal(seq: Sequence) -> Proposal:
 
 
 class ModelRunner:
+    """Runs steps. `grammars` (set by the engine when it serves structured output) fills the masks
+    of constrained sequences; they are computed on a worker thread while the forward pass runs."""
+
     def __init__(self, model: Model, kv_shape: KVShape, num_blocks: int, block_size: int, vocab_size: int,
                  stop_token_ids: frozenset[int], device: torch.device,
                  backend: AttentionBackend | None = None) -> None:
@@ -77,6 +82,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by `use_decode_graphs`
         # Steps whose products all run in C++ anyway go through the decoder in one native call.
         self.native = NativeDecoder.build(model, self.backend) if isinstance(model, CausalLM) else None
+        self.grammars: GrammarCompiler | None = None
+        self._mask_worker: ThreadPoolExecutor | None = None  # created with the first constrained step
 
     def use_decode_graphs(self, num_kv_heads: int, max_batch_size: int, max_model_len: int) -> None:
         """Runs decode steps of up to `max_batch_size` sequences through CUDA graphs (see
@@ -109,11 +116,13 @@ class ModelRunner:
         return dict(zip(batch.sampled, drafts, strict=True))
 
     def execute(self, plan: StepPlan) -> StepResult:
+        masks = self._start_masks(plan)
         logits, batch = self.forward(plan)
         num_sampled = len(batch.sampled)
         sampled = SamplerOutput([], None, None)
         if num_sampled:
-            sampled = self.sampler(logits[:num_sampled], self._sampling_batch(batch.sampled))
+            allowed = None if masks is None else masks.result()
+            sampled = self.sampler(logits[:num_sampled], self._sampling_batch(batch.sampled, allowed))
         return StepResult(batch.sampled, sampled, self._verify(logits[num_sampled:], batch.verified))
 
     def _verify(self, logits: torch.Tensor, verified: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
@@ -146,6 +155,32 @@ class ModelRunner:
             kept.update(zip([r for r, _ in sampled], outs, strict=True))
         return [(seq, kept[seq]) for seq in verified]
 
+    def _start_masks(self, plan: StepPlan) -> Future[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Starts filling the grammar masks of the step's constrained sampled rows (rows counted as
+        `prepare_batch` orders `sampled`: no draft, the step reaches the last token) on the worker
+        thread; None, and no work at all, when no such row is constrained."""
+        rows: list[int] = []
+        matchers = []
+        row = 0
+        for seq, n in plan.scheduled:
+            if seq.draft is None and seq.num_computed_tokens + n == seq.num_tokens:
+                if seq.grammar is not None:
+                    rows.append(row)
+                    matchers.append(seq.grammar)
+                row += 1
+        if not matchers:
+            return None
+        grammars = self.grammars
+        assert grammars is not None, "a constrained sequence in an engine without a grammar compiler"
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar-masks")
+
+        def masks() -> tuple[torch.Tensor, torch.Tensor]:
+            allowed = unpack_bitmask(grammars.fill_masks(matchers), self.vocab_size, self.device)
+            return torch.tensor(rows, dtype=torch.long, device=self.device), allowed
+
+        return self._mask_worker.submit(masks)
+
     def release(self, seq: Sequence) -> None:
         """Forgets a finished request's generator."""
         self._generators.pop(seq.key, None)
@@ -161,7 +196,8 @@ class ModelRunner:
             self._generators[seq.key] = gen
         return gen
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence],
+                        allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingBatch:
         generators: list[torch.Generator | None] = []
         suppressed: list[frozenset[int]] = []
         for seq in seqs:
@@ -174,5 +210,5 @@ class ModelRunner:
                 suppressed.append(frozenset())
         return SamplingBatch.build(
             [r.params for r in seqs], [r.output_token_ids for r in seqs], [r.prompt_token_ids for r in seqs],
-            generators, self.vocab_size, self.device, suppressed,
+            generators, self.vocab_size, self.device, suppressed, allowed,
         )

@@ -5,6 +5,7 @@ One step runs, all vectorised over the batch:
 1. raw logprobs = log_softmax(logits) (only if some row asked for logprobs);
 2. penalties (repetition, then frequency and presence) on the rows that use them;
 3. suppressed ids (stop/EOS ids while `min_tokens` is not reached) -> -inf;
+   grammar masks: on constrained rows, every token the row's grammar forbids -> -inf;
 4. greedy rows take the argmax (ties: lowest id);
 5. sampled rows divide by their temperature, then keep top-k, then top-p, then min-p (each on the
    distribution the previous one left), and draw one token by inverse CDF, in token-id order, from a
@@ -273,6 +274,9 @@ class SamplingBatch:
     penalties: _Penalties | None
     suppressed: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids) to set to -inf
     logprobs_k: tuple[int, ...] | None
+    # Constrained rows [m] and their allowed tokens [m, vocab_size] bool (`structured`); None iff
+    # no row is constrained. Each row allows at least one token.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -284,6 +288,7 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
         stop_ids_suppressed: Sequence[frozenset[int]],
+        allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingBatch:
         """All sequences are indexed by row and have the same length; every id in `output_ids` and
         `prompt_ids` is < `vocab_size`.
@@ -292,6 +297,7 @@ class SamplingBatch:
         never sampled and not part of the logprobs. `generators[i]` is row i's own generator (on
         `device`, owned and seeded by the caller) or None for torch's default one.
         `stop_ids_suppressed[i]`: ids row i may not emit this step; ids >= vocab_size are ignored.
+        `allowed`: the grammar masks of the constrained rows (see the field).
         """
         sizes = {len(params), len(output_ids), len(prompt_ids), len(generators), len(stop_ids_suppressed)}
         if len(sizes) != 1:
@@ -310,7 +316,13 @@ class SamplingBatch:
 
         asked = any(p.logprobs is not None for p in params)
         logprobs_k = tuple(p.logprobs or 0 for p in params) if asked else None
-        return cls(vocab_size, sampled, penalties, suppressed, logprobs_k)
+        return cls(vocab_size, sampled, penalties, suppressed, logprobs_k, allowed)
+
+
+def apply_grammar_masks_(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
+    """Sets in place every logit of `rows` of `logits` [B, V] that `allowed` [len(rows), V] does not
+    allow to -inf; other rows are untouched."""
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
 
 
 class SamplerOutput(NamedTuple):
@@ -332,12 +344,14 @@ class Sampler:
         """`logits` [B, >= vocab_size] float; never modified."""
         raw = logits[:, : batch.vocab_size].float()
         logits = raw
-        if batch.penalties is not None or batch.suppressed is not None:
+        if batch.penalties is not None or batch.suppressed is not None or batch.allowed is not None:
             logits = raw.clone()
             if batch.penalties is not None:
                 batch.penalties.apply_(logits)
             if batch.suppressed is not None:
                 logits[batch.suppressed] = float("-inf")
+            if batch.allowed is not None:
+                apply_grammar_masks_(logits, *batch.allowed)
 
         tokens = logits.argmax(dim=-1)
         if batch.sampled is not None:

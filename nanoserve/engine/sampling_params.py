@@ -2,7 +2,58 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A constraint on a request's output: exactly one of a JSON schema (`json`, a dict or its JSON
+    text), any JSON object (`json_object`), a regular expression (`regex`, matching the whole
+    output), one of a list of strings (`choice`), or a grammar (`grammar`: Lark in llguidance's
+    dialect, or GBNF, which is converted). Torch-free: the engine compiles it
+    (`nanoserve.engine.structured`); `validate` checks only its shape.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The name of the one constraint set."""
+        return next(name for name, on in self._given().items() if on)
+
+    def _given(self) -> dict[str, bool]:
+        return {"json": self.json is not None, "json_object": self.json_object, "regex": self.regex is not None,
+                "choice": self.choice is not None, "grammar": self.grammar is not None}
+
+    def validate(self) -> None:
+        """Raises ValueError unless exactly one constraint is set and it has the right shape."""
+        given = [name for name, on in self._given().items() if on]
+        if len(given) != 1:
+            raise ValueError(f"structured output takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
+            if not isinstance(schema, dict | bool):
+                raise ValueError("a JSON schema is an object")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("a JSON schema is an object")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of strings")
+        for name, text in (("regex", self.regex), ("grammar", self.grammar)):
+            if text is not None and (not isinstance(text, str) or not text.strip()):
+                raise ValueError(f"{name} must be a non-empty string")
 
 
 @dataclass(slots=True)
@@ -12,7 +63,8 @@ class SamplingParams:
     `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` and `min_p == 0` disable those
     filters. `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled token's logprob
     and the k most likely tokens' (k may be 0). Logprobs are those of the model's raw distribution
-    (log-softmax of the logits, before penalties, temperature and filters).
+    (log-softmax of the logits, before penalties, temperature and filters). `structured`
+    constrains the output to a JSON schema, regex, choice or grammar (see `StructuredOutputs`).
     """
 
     n: int = 1
@@ -31,6 +83,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None
 
     MAX_LOGPROBS = 20
 
@@ -70,6 +123,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            (self.structured is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured output (the grammar decides where the output ends)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.kv.manager import BlockTable
+
+if TYPE_CHECKING:
+    from nanoserve.engine.structured import GrammarMatcher
 
 
 class Draft(Protocol):
@@ -36,7 +39,9 @@ class Sequence:
     next token is sampled when a step computes up to the last token. Draft tokens are not part of
     `all_token_ids`: a step that schedules them computes all_token_ids[-1:] + draft.tokens.
     `draft` is None or holds at least one token; the scheduler cuts it to the step's budget
-    (`Draft.truncate`) and drops it once the step that verifies it has run, or on preemption."""
+    (`Draft.truncate`) and drops it once the step that verifies it has run, or on preemption.
+    `grammar` is the matcher of a constrained sequence (None otherwise, and once it has ended): its
+    state is always that after `output_token_ids`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +59,7 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     wait_for: Sequence | None = None  # a sibling whose prompt blocks this one should reuse
     draft: Draft | None = None  # drafts to verify in the next step
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

@@ -15,7 +15,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from nanoserve.server.errors import APIError, bad_request
 
 _CONFIG = ConfigDict(strict=True, extra="allow")
@@ -101,6 +101,41 @@ def _decoded_arguments(call: object) -> object:
     return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema` (OpenAI): the schema the output must validate against."""
+
+    model_config = _CONFIG
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, object] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _CONFIG
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of its constraints."""
+
+    model_config = _CONFIG
+    json_: dict[str, object] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+def _constraint(param: str, **given: object) -> tuple[str, StructuredOutputs]:
+    """A constraint built from one request field; a malformed one is a 400 naming the field."""
+    try:
+        return param, StructuredOutputs(**given)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -126,16 +161,50 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool | None = None
     priority: int | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, object] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured(self) -> tuple[str, StructuredOutputs] | None:
+        """The output constraint the request asks for, and the field that asks it: from
+        `response_format` (json_object, json_schema), `structured_outputs` or a `guided_*` field.
+        More than one is a 400; so is a malformed one."""
+        asked: list[tuple[str, StructuredOutputs]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(_constraint("response_format", json_object=True))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                               param="response_format")
+            asked.append(_constraint("response_format", json=fmt.json_schema.schema_))
+        if (so := self.structured_outputs) is not None:
+            asked.append(_constraint("structured_outputs", json=so.json_, json_object=bool(so.json_object),
+                                     regex=so.regex, choice=so.choice, grammar=so.grammar))
+        for param, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if (value := getattr(self, param)) is not None:
+                asked.append(_constraint(param, **{key: value}))
+        if len(asked) > 1:
+            raise APIError(400, f"a request takes one output constraint; got {', '.join(p for p, _ in asked)}",
+                           param=asked[1][0])
+        return asked[0] if asked else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; a value out of range is a 400 naming its field."""
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         given = {k: v for k, v in self.model_dump(include=set(_SAMPLING_FIELDS)).items() if v is not None}
+        constraint = self.structured()
+        if constraint is not None:
+            given["structured"] = constraint[1]
         try:
             return SamplingParams(**{**given, "max_tokens": max_tokens, "logprobs": logprobs})
         except ValueError as e:
@@ -165,15 +234,32 @@ class ChatCompletionRequest(_SamplingRequest):
                                param="chat_template_kwargs")
         return kwargs
 
+    parallel_tool_calls: bool | None = None
+
     def template_tools(self) -> list[dict[str, object]] | None:
-        """The tools to render into the prompt: None without tools or with tool_choice "none".
-        "required" and a named function would need constrained decoding, which nanoserve lacks."""
+        """The tools to render into the prompt: None without tools or with tool_choice "none"."""
         if not self.tools or self.tool_choice == "none":
             return None
-        if self.tool_choice not in (None, "auto"):
-            raise APIError(400, "only tool_choice 'auto' and 'none' are supported (forcing a call needs constrained "
-                           "decoding)", param="tool_choice")
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def forced_tools(self) -> list[FunctionDefinition] | None:
+        """The functions a call must be made to: every tool for tool_choice "required", the named
+        one for a named choice, None when no call is forced. A 400 when the choice names no tool
+        of the request, or forces a call together with another output constraint."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        tools = [t.function for t in self.tools or []]
+        if isinstance(choice, NamedToolChoice):
+            tools = [f for f in tools if f.name == choice.function.name]
+            if not tools:
+                raise APIError(400, f"tool_choice names `{choice.function.name}`, which is not among the tools",
+                               param="tool_choice")
+        elif not tools:
+            raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        if (constraint := self.structured()) is not None:
+            raise APIError(400, f"a forced tool call cannot be combined with {constraint[0]}", param="tool_choice")
+        return tools
 
     def requested_logprobs(self) -> int | None:
         """Top-k count for the engine: None without `logprobs`, else `top_logprobs` (default 0)."""

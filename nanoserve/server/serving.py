@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from nanoserve.engine.outputs import EngineLimits, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.server.async_engine import (
     AsyncEngine,
     EngineError,
@@ -35,6 +36,33 @@ from nanoserve.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
+
+@dataclass(slots=True)
+class GrammarGate:
+    """Compiles a request's output constraint in the front end before the request is queued: on a
+    worker thread (never the event loop), within `timeout_s`, so that a constraint the engine
+    cannot compile, or one that takes too long, is a 400 before any stream starts, and the engine
+    loop only ever compiles constraints known to compile quickly (and caches them). A compile
+    that times out runs on in its thread until llguidance's own resource limits end it."""
+
+    timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
+    compiler: GrammarCompiler | None = None
+
+    async def check(self, tok: Tokenizer, params: SamplingParams, param: str | None) -> None:
+        spec = params.structured
+        if spec is None:
+            return
+        if self.compiler is None or self.compiler.tokenizer is not tok:
+            self.compiler = GrammarCompiler(tok)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.compiler.compile, spec), self.timeout_s)
+        except TimeoutError as e:
+            raise APIError(400, f"the {spec.kind} constraint did not compile within {self.timeout_s:g} s",
+                           param=param) from e
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +73,7 @@ class Serving:
     model_name: str
     tool_call_parser: str = "auto"  # see nanoserve.server.tool_parsers.PARSER_NAMES
     reasoning_parser: str = "auto"  # see nanoserve.server.reasoning_parsers.REASONING_PARSER_NAMES
+    grammars: GrammarGate = field(default_factory=GrammarGate)
 
     def tool_parser(self, tok: Tokenizer) -> type[ToolCallParser]:
         """The parser of tool calls in this model's output, or a 400 when there is none: the chat

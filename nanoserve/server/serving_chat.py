@@ -6,17 +6,19 @@ choices and the usage; then [DONE]. An engine failure mid-stream is an error eve
 
 With a reasoning parser (`--reasoning-parser`, or read from the chat template), the text of the
 think block goes to `reasoning_content` (`delta.reasoning_content` in a stream), the rest to
-`content`. With `tools` (and tool_choice "auto"), the tools are rendered into the prompt by the
-chat template and each choice's content goes through the model's tool-call parser
-(`tool_parsers`): content chunks carry only the text outside calls; a call streams as OpenAI's do,
-a first chunk with its id and name, then chunks of argument text with the same
-`tool_calls[0].index` (counting the choice's calls); a choice that called tools ends with
-finish_reason "tool_calls" (unless it ran out of tokens). See `chat_output`.
+`content`. With `tools` (tool_choice "auto", or "required" or a named function, which force the call
+through a grammar: see `forced_tools`), the tools are rendered into the prompt by the chat template
+and each choice's content goes through the model's tool-call parser (`tool_parsers`): content chunks
+carry only the text outside calls; a call streams as OpenAI's do, a first chunk with its id and name,
+then chunks of argument text with the same `tool_calls[0].index` (counting the choice's calls); a
+choice that called tools ends with finish_reason "tool_calls" (unless it ran out of tokens). See
+`chat_output`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -30,6 +32,7 @@ from nanoserve.server.async_engine import EngineError, OutputStream
 from nanoserve.server.chat_output import ChatOutputFormat, tool_call_chunks
 from nanoserve.server.engine_core import EngineInfo
 from nanoserve.server.errors import APIError
+from nanoserve.server.forced_tools import forced_tool_calls
 from nanoserve.server.protocol import ChatCompletionRequest
 from nanoserve.server.reasoning_parsers import starts_in_reasoning
 from nanoserve.server.serving import (
@@ -79,6 +82,12 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     ids, params = await asyncio.to_thread(prepare_chat, info, body)
     if tools is not None and tools.needs_special_tokens and body.skip_special_tokens is None:
         params.skip_special_tokens = False  # the format's markers are special tokens
+    if (forced := body.forced_tools()) is not None:
+        assert tools is not None  # a forced call comes with tools, and tools with a parser
+        params = dataclasses.replace(params, structured=forced_tool_calls(
+            tools, forced, body.parallel_tool_calls is not False, tok))
+    constraint = body.structured()
+    await serving.grammars.check(tok, params, "tool_choice" if constraint is None else constraint[0])
     in_reasoning = reasoning is not None and starts_in_reasoning(
         reasoning, tok.decode(ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
     output = ChatOutputFormat(tools, reasoning is not None, in_reasoning)

@@ -55,6 +55,8 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     info = serving.running_info()
     tok = serving.tokenizer()
     ids, params = await asyncio.to_thread(prepare_completion, info, tok, body)
+    constraint = body.structured()
+    await serving.grammars.check(tok, params, None if constraint is None else constraint[0])
     echo = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts()] if body.echo else None
     stream = serving.submit(ids, params, body.priority or 0, "cmpl")
     choice_of = {rid: i * params.n for i, rid in enumerate(stream.request_ids)}
