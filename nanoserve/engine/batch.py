@@ -101,7 +101,7 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
                                    device)
     rows = sample_rows + verify_rows + prompt_rows
     logits_rows: torch.Tensor | slice = slice(None)  # every row: decodes (first) and verifications, in order
-    if len(rows) < num_tokens:
+    if len(rows) < num_tokens or prompt_rows:
         logits_rows = torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
     return PreparedBatch(torch.from_numpy(np.array(ids, dtype=np.int64)).to(device),
                          torch.from_numpy(positions).to(device), meta, logits_rows, sampled, verified,
