@@ -17,13 +17,14 @@ import openai
 import pytest
 import torch
 from fastapi import FastAPI
-from support import full_logits
 from test_server_helpers import ENGINE_ARGS, SERVED, make_engine, serve, sse_payloads, wait_idle
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampler import Sampler, SamplingBatch
 from nanoserve.model import load_model
+
+from support import full_logits
 
 V = 50
 
