@@ -45,6 +45,7 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None, str]] = [
     (CHAT, {"messages": MSG, "frobnicate": 1, "zeta": 2}, "frobnicate", "unsupported request fields: frobnicate, zeta"),
     (CHAT, {"messages": MSG, "prompt_logprobs": 1}, "prompt_logprobs", "unsupported request field: prompt_logprobs"),
     (COMPLETIONS, {"prompt": "x", "service_tier": "auto"}, "service_tier", "unsupported request field"),
+    (CHAT, {"messages": MSG, "store": True}, "store", "stores no completions"),
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "with streaming"),
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20], got 21"),
     ("/tokenize", {"prompt": "x", "extra": True}, "extra", "unsupported request field"),

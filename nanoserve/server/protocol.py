@@ -127,6 +127,10 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool | None = None
     priority: int | None = None
     user: str | None = None
+    # OpenAI's stored completions: nanoserve stores nothing, so `store: true` is a 400 and
+    # `metadata` (tags for stored completions) has nothing to tag.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -136,6 +140,8 @@ class _SamplingRequest(BaseModel):
                         defaults: dict[str, float | int] | None = None) -> SamplingParams:
         """The engine's parameters, `defaults` (the model's generation config) filling the fields
         the request leaves unset; a value out of range is a 400 naming its field."""
+        if self.store:
+            raise APIError(400, "store is not supported: nanoserve stores no completions", param="store")
         given = {k: v for k, v in self.model_dump(include=set(_SAMPLING_FIELDS)).items() if v is not None}
         if self.logit_bias is not None:
             given["logit_bias"] = _token_bias(self.logit_bias)
