@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nanoserve.engine.outputs import SequenceDelta
+from nanoserve.engine.outputs import PromptLogprob, SequenceDelta
 from nanoserve.server.async_engine import AsyncEngine, EngineError, OutputStream
 from nanoserve.server.deltas import coalesce
 from nanoserve.server.serving import Serving
@@ -37,6 +37,12 @@ def test_coalesce_merges_each_sequence_in_order() -> None:
     assert a0.logprobs == [-1.0, -2.0, -3.0] and a0.top_logprobs == [[(1, -1.0)], [(2, -2.0)], [(3, -3.0)]]
     assert (out[1].token_ids, out[1].text, out[1].logprobs) == ([5, 6], "pr", None)
     assert deltas == before  # inputs untouched
+
+
+def test_coalesce_keeps_the_prompt_logprobs_of_a_first_delta() -> None:
+    first = dataclasses.replace(_delta("a", 0, 1, "x"), prompt_logprobs=[None, PromptLogprob(7, -0.5, 1, [])])
+    out = coalesce([first, _delta("a", 0, 2, "y"), _delta("a", 0, 3, "z", "stop")])
+    assert len(out) == 1 and out[0].prompt_logprobs == first.prompt_logprobs and out[0].text == "xyz"
 
 
 def test_coalesce_never_merges_past_a_finish_or_across_logprob_shapes() -> None:

@@ -35,6 +35,9 @@ _HELP = {
     "gpu_memory_utilization": "CUDA: share of GPU memory for weights, activations and the KV pool (sizes the pool "
                               "unless --kv-cache-memory or --num-kv-blocks is given)",
     "enforce_eager": "CUDA: run decode steps eagerly, without CUDA graphs",
+    "generation_config": "sampling defaults for fields a request leaves unset: auto (temperature, top_p, top_k, "
+                         "min_p, repetition_penalty from the model's generation_config.json), vllm (nanoserve's own "
+                         "defaults) or a folder holding a generation_config.json",
 }
 # Fields whose default is None, by the type a given value has.
 _OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int, "num_kv_blocks": int,

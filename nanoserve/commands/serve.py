@@ -19,6 +19,7 @@ from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, Serve
 from nanoserve.server.engine_core import EngineState
 from nanoserve.server.launcher import serve_until_signal
 from nanoserve.server.reasoning_parsers import REASONING_PARSER_NAMES
+from nanoserve.server.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.tool_parsers import PARSER_NAMES
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="send each request's new tokens every N engine steps (and at its first token and its end); "
                         "N > 1 saves serving work at the cost of burstier streams")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins browsers may call the API from (CORS), e.g. https://app.example or *; "
+                        "default: none (no CORS headers)")
+    p.add_argument("--sse-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
+                   help="send a `: keep-alive` comment on a stream silent for this long (0: never)")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine in a process of its own (default: the HTTP side and the engine then do not "
                         "share one interpreter lock) or on a thread of the server process")
@@ -63,12 +69,13 @@ def run(ns: argparse.Namespace) -> int:
     engine: EngineArgs | Callable[[], LLMEngine] = args
     if ns.engine_core == "thread":
         engine = functools.partial(build_engine, args)
-    app = build_app(engine, ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser,
-                                         ns.stream_interval, reasoning_parser=ns.reasoning_parser),
-                    on_load_failure=shut_down)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, timeout_graceful_shutdown=ns.shutdown_timeout,
-                            log_level=logging.getLevelName(logging.getLogger().level).lower())
-    server = uvicorn.Server(config)
+    config = ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser, ns.stream_interval,
+                          reasoning_parser=ns.reasoning_parser, allowed_origins=tuple(ns.allowed_origins),
+                          sse_keep_alive_s=ns.sse_keep_alive or None)
+    app = build_app(engine, config, on_load_failure=shut_down)
+    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port,
+                                           timeout_graceful_shutdown=ns.shutdown_timeout,
+                                           log_level=logging.getLevelName(logging.getLogger().level).lower()))
     log.info("serving %s on http://%s:%d (loading the model; /health answers 503 until it is ready)",
              name, ns.host, ns.port)
     serve_until_signal(server)

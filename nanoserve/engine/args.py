@@ -39,6 +39,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (triton on CUDA; cpu, else torch, elsewhere), cpu, torch or triton
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm, a folder
 
     def __post_init__(self) -> None:
         if self.kv not in ("paged", "contiguous"):

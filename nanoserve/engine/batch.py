@@ -26,8 +26,10 @@ class PreparedBatch(NamedTuple):
     `logits_rows` lists, first, the last token of each sequence of `sampled` (plain sequences whose
     step reaches their last token), in order; then, for each sequence of `verified` (those carrying
     drafts), its last token and every draft. A prefill chunk that stops short of the prompt's end
-    has no row. When that is every row in order (a step of decodes and verifications only), it is
-    `slice(None)`, so the logits need no gather.
+    has no row. Last come the prompt rows: for each (sequence, first, count) of `prompt_rows`
+    (sequences whose prompt logprobs are wanted), the positions first .. first + count - 1 of its
+    prompt, each of which predicts the prompt token after it. When that is every row in order (a
+    step of decodes and verifications only), it is `slice(None)`, so the logits need no gather.
     """
 
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -36,6 +38,7 @@ class PreparedBatch(NamedTuple):
     logits_rows: torch.Tensor | slice
     sampled: list[Sequence]
     verified: list[Sequence]
+    prompt_rows: tuple[tuple[Sequence, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +56,8 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
     sampled: list[Sequence] = []
     verify_rows: list[int] = []
     verified: list[Sequence] = []
+    prompt_rows: list[int] = []
+    prompt_spans: list[tuple[Sequence, int, int]] = []
     for seq, n in plan.scheduled:
         start = seq.num_computed_tokens
         row = len(ids)
@@ -64,6 +69,10 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
             if start + n == len(seq.all_token_ids):
                 sample_rows.append(row + n - 1)
                 sampled.append(seq)
+            if seq.needs_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+                count = min(start + n, seq.num_prompt_tokens - 1) - start
+                prompt_rows += range(row, row + count)
+                prompt_spans.append((seq, start, count))
         else:
             ids += seq.all_token_ids[start:]
             ids += seq.draft.tokens
@@ -90,9 +99,10 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
     slots = block_tables[seq_of_token, block] * block_size + offset
     meta = AttentionMetadata.build(slots, block_tables, query_start, seq_lens, query_lens.count(1), block_size,
                                    device)
-    rows = sample_rows + verify_rows
+    rows = sample_rows + verify_rows + prompt_rows
     logits_rows: torch.Tensor | slice = slice(None)  # every row: decodes (first) and verifications, in order
-    if len(rows) < num_tokens:
+    if len(rows) < num_tokens or prompt_rows:
         logits_rows = torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
     return PreparedBatch(torch.from_numpy(np.array(ids, dtype=np.int64)).to(device),
-                         torch.from_numpy(positions).to(device), meta, logits_rows, sampled, verified)
+                         torch.from_numpy(positions).to(device), meta, logits_rows, sampled, verified,
+                         tuple(prompt_spans))

@@ -18,6 +18,7 @@ import torch
 from nanoserve.attention import TritonAttention, select_backend
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.draft_model import DraftModelProposer
+from nanoserve.engine.generation_config import sampling_defaults
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.memory_profile import activation_peak_bytes, kv_budget_bytes
 from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
@@ -59,23 +60,30 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
                                      args.speculative_min_confidence, select_backend(args.attention_backend, device))
         use_cuda_graphs(drafter.runner, draft_shape.num_kv_heads, args)  # its single-token passes
         proposer = drafter
+    defaults = sampling_defaults(args.generation_config, loaded.generation_config)
+    if defaults:
+        log.info("default sampling parameters from %s: %s",
+                 "the model's generation_config.json" if args.generation_config == "auto" else args.generation_config,
+                 ", ".join(f"{k}={v}" for k, v in defaults.items()))
     return engine_from_model(loaded.model, loaded.tokenizer, kv_shape, vocab_size, args,
-                             loaded.tokenizer.stop_token_ids, proposer, num_blocks)
+                             loaded.tokenizer.stop_token_ids, proposer, num_blocks, defaults)
 
 
 def engine_from_model(model: Model, tokenizer: Tokenizer | None, kv_shape: KVShape, vocab_size: int,
                       args: EngineArgs, stop_token_ids: frozenset[int] = frozenset(),
-                      proposer: Proposer | None = None, num_blocks: int | None = None) -> LLMEngine:
+                      proposer: Proposer | None = None, num_blocks: int | None = None,
+                      sampling_defaults: dict[str, float | int] | None = None) -> LLMEngine:
     """An engine around a model already loaded. `args` must be resolved (max_model_len set).
     `num_blocks=None` sizes the pool from the memory budget `args` gives (no GPU profile).
-    `tokenizer=None` skips detokenization (token ids only)."""
+    `tokenizer=None` skips detokenization (token ids only). `sampling_defaults`: the values of
+    SamplingParams fields a request leaves unset (see `generation_config`)."""
     if num_blocks is None:
         num_blocks = args.resolve_num_blocks(kv_shape.bytes_per_block(args.block_size, model.dtype))
     device = torch.device(args.device)
     runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids, device,
                          select_backend(args.attention_backend, device))
     use_cuda_graphs(runner, kv_shape.num_kv_heads, args)
-    return LLMEngine(runner, num_blocks, tokenizer, args, proposer)
+    return LLMEngine(runner, num_blocks, tokenizer, args, proposer, sampling_defaults)
 
 
 def use_cuda_graphs(runner: ModelRunner, num_kv_heads: int, args: EngineArgs) -> None:

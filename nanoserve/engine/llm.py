@@ -35,7 +35,7 @@ class LLM:
         """Completes every prompt (a string or a list of token ids); results in prompt order."""
         single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
         batch = cast(list[str | Sequence[int]], [prompts] if single else list(prompts))
-        params = self._params(sampling_params, len(batch))
+        params = self._params(sampling_params, len(batch), self.engine.sampling_defaults)
         requests = []
         for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
             ids = self._encode(prompt)
@@ -65,10 +65,15 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (what `sampling_params=None` uses)."""
+        return SamplingParams(**self.engine.sampling_defaults)  # type: ignore[arg-type]
+
     @staticmethod
-    def _params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int,
+                defaults: dict[str, float | int]) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams() for _ in range(n)]
+            return [SamplingParams(**defaults) for _ in range(n)]  # type: ignore[arg-type]
         if isinstance(sp, SamplingParams):
             return [dataclasses.replace(sp) for _ in range(n)]
         if len(sp) != n:

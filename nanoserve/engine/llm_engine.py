@@ -23,11 +23,12 @@ from nanoserve.engine.outputs import (
     EngineLimits,
     EngineSnapshot,
     KVStats,
+    PromptLogprob,
     SequenceDelta,
     SequenceProgress,
     StepOutput,
 )
-from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.spec_decode import Proposer, SpecStats
@@ -49,15 +50,17 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, num_blocks: int, tokenizer: Tokenizer | None, args: EngineArgs,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, sampling_defaults: dict[str, float | int] | None = None) -> None:
         """`runner`: over a KV pool of `num_blocks` blocks of `args.block_size` tokens; `args`
         resolved (max_model_len set). `tokenizer=None` skips detokenization (token ids only; stop
         strings then unsupported). With a `proposer`, decoding sequences verify up to
-        `args.num_speculative_tokens` drafts a step."""
+        `args.num_speculative_tokens` drafts a step. `sampling_defaults`: SamplingParams fields
+        front ends fill in when a request leaves them unset (the model's generation config)."""
         if args.max_model_len is None:
             raise ValueError("the engine takes resolved EngineArgs (max_model_len set)")
         self.args = args
         self.tokenizer = tokenizer
+        self.sampling_defaults: dict[str, float | int] = dict(sampling_defaults or {})
         self.device = torch.device(args.device)
         self.max_model_len: int = args.max_model_len
         self.kv = KVCacheManager(
@@ -81,6 +84,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._arrivals = itertools.count()
         self._finished: list[str] = []  # requests whose last sequence ended in the current step
+        # Prompt logprobs by sequence, filled by position (entry p: prompt token p + 1) until its first token.
+        self._prompt_logprobs: dict[Sequence, list[PromptLogprob | None]] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         log.info("KV cache: %d blocks of %d tokens (%s layout, prefix cache %s)", num_blocks, args.block_size,
@@ -170,6 +175,8 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
+        if self.tokenizer is not None:
+            resolve_bad_words(params, self.tokenizer)
         group = _Group([], [])
         for i in range(params.n):
             seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals), index=i, priority=priority)
@@ -177,7 +184,8 @@ class LLMEngine:
                 seq.wait_for = group.sequences[0]
             group.sequences.append(seq)
             group.streams.append(None if self.tokenizer is None else TextStream(
-                self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens))
+                self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens,
+                params.include_stop_str_in_output))
         if params.structured is not None:
             assert self.grammars is not None  # validate checked it
             for seq in group.sequences:
@@ -195,6 +203,7 @@ class LLMEngine:
         for seq in group.sequences:
             self.scheduler.finish(seq, "abort")
             self._release_grammar(seq)
+            self._prompt_logprobs.pop(seq, None)
             self.runner.release(seq)
             if self.proposer is not None:
                 self.proposer.release(seq)
@@ -217,10 +226,17 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.accepted(seq, len(kept) - 1)
         self.scheduler.advance(plan, rejected)
+        for seq, first, entries in result.prompt_logprobs:
+            known = self._prompt_logprobs.setdefault(seq, [None] * (seq.num_prompt_tokens - 1))
+            known[first : first + len(entries)] = entries
         out = result.sampled
         deltas = []
         for row, seq in enumerate(result.sequences):
+            prompt_logprobs = None
+            if seq.needs_prompt_logprobs:
+                prompt_logprobs = [None, *self._prompt_logprobs.pop(seq, [])]
             delta = self._postprocess(seq, [out.token_ids[row]])
+            delta.prompt_logprobs = prompt_logprobs
             if out.logprobs is not None and out.top_logprobs is not None and seq.params.logprobs is not None:
                 delta.logprobs, delta.top_logprobs = [out.logprobs[row]], [out.top_logprobs[row]]
             deltas.append(delta)
@@ -272,11 +288,12 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for every running sequence in decode whose sampling speculation keeps exact:
-        no penalties (they would change between drafts), no logprobs, min_tokens reached, no grammar
-        (its mask would have to follow each draft); none while more sequences run than
-        `speculative_disable_by_batch_size` (a batch that large already reads each weight once for
-        many tokens, so drafts cost more than they save; a draft model catches up on the tokens it
-        missed when it drafts again)."""
+        no penalties (they would change between drafts), no token constraints (logit_bias,
+        allowed_token_ids, bad_words: verification does not apply them), no grammar (its mask would
+        have to follow each draft), no logprobs, min_tokens reached; none while more sequences run
+        than `speculative_disable_by_batch_size` (a batch that large already reads each weight once
+        for many tokens, so drafts cost more than they save; a draft model catches up on the tokens
+        it missed when it drafts again)."""
         assert self.proposer is not None
         limit = self.args.speculative_disable_by_batch_size
         if limit is not None and len(self.scheduler.running) > limit:
@@ -290,7 +307,7 @@ class LLMEngine:
                     self._told_no_drafts = True
                 continue
             if (seq.num_tokens - seq.num_computed_tokens != 1 or p.uses_penalties or p.logprobs is not None
-                    or seq.num_output_tokens < p.min_tokens):
+                    or seq.num_output_tokens < p.min_tokens or p.uses_token_constraints):
                 continue
             k = min(self.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)

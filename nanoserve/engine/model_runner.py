@@ -16,6 +16,7 @@ import torch
 from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from nanoserve.engine.batch import PreparedBatch, prepare_batch
 from nanoserve.engine.cuda_graph import DecodeGraphs
+from nanoserve.engine.outputs import PromptLogprob
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.engine.sequence import Sequence
@@ -48,11 +49,13 @@ class KVShape(NamedTuple):
 class StepResult(NamedTuple):
     """What the step produced: `sampled` holds one token per sequence of `sequences` (those that
     reached their last token without drafts); `verified` the kept tokens (accepted drafts + one)
-    of each sequence whose drafts were verified."""
+    of each sequence whose drafts were verified; `prompt_logprobs` per (sequence, first position)
+    the logprobs of its prompt tokens first + 1, first + 2, ... computed in this step."""
 
     sequences: list[Sequence]
     sampled: SamplerOutput
     verified: list[tuple[Sequence, list[int]]]
+    prompt_logprobs: tuple[tuple[Sequence, int, list[PromptLogprob]], ...] = ()
 
 
 def _proposal(seq: Sequence) -> Proposal:
@@ -123,7 +126,37 @@ class ModelRunner:
         if num_sampled:
             allowed = None if masks is None else masks.result()
             sampled = self.sampler(logits[:num_sampled], self._sampling_batch(batch.sampled, allowed))
-        return StepResult(batch.sampled, sampled, self._verify(logits[num_sampled:], batch.verified))
+        num_prompt = sum(count for _, _, count in batch.prompt_rows)
+        verified = self._verify(logits[num_sampled : logits.shape[0] - num_prompt], batch.verified)
+        if not num_prompt:
+            return StepResult(batch.sampled, sampled, verified)
+        prompt = self._prompt_logprobs(logits[logits.shape[0] - num_prompt :], batch.prompt_rows)
+        return StepResult(batch.sampled, sampled, verified, prompt)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, logits: torch.Tensor, spans: tuple[tuple[Sequence, int, int], ...]
+                         ) -> tuple[tuple[Sequence, int, list[PromptLogprob]], ...]:
+        """Raw logprob, rank and top-k of each prompt token after the positions `spans` list (their
+        rows of `logits`, span after span), all rows in one pass."""
+        raw = torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1)
+        targets = torch.tensor([t for seq, first, count in spans
+                                for t in seq.prompt_token_ids[first + 1 : first + 1 + count]],
+                               dtype=torch.long, device=raw.device).unsqueeze(1)
+        chosen = raw.gather(1, targets)
+        ranks = ((raw > chosen).sum(dim=-1) + 1).tolist()
+        k_max = max(seq.params.prompt_logprobs or 0 for seq, _, _ in spans)
+        values, ids = raw.topk(k_max, dim=-1) if k_max else (raw[:, :0], raw[:, :0].long())
+        chosen_list, top_ids, top_values = chosen.squeeze(1).tolist(), ids.tolist(), values.tolist()
+        out: list[tuple[Sequence, int, list[PromptLogprob]]] = []
+        row = 0
+        for seq, first, count in spans:
+            k = seq.params.prompt_logprobs or 0
+            entries = [PromptLogprob(seq.prompt_token_ids[first + 1 + j], chosen_list[row + j], ranks[row + j],
+                                     list(zip(top_ids[row + j][:k], top_values[row + j][:k], strict=True)))
+                       for j in range(count)]
+            out.append((seq, first, entries))
+            row += count
+        return tuple(out)
 
     def _verify(self, logits: torch.Tensor, verified: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """The kept tokens of each sequence with drafts; `logits` holds its last token's row and one

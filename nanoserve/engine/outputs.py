@@ -11,8 +11,18 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.kv.manager import KVStats, blocks_needed
 
-__all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "KVStats", "RequestOutput", "SequenceDelta",
-           "SequenceProgress", "SpecStats", "StepOutput"]
+__all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "KVStats", "PromptLogprob", "RequestOutput",
+           "SequenceDelta", "SequenceProgress", "SpecStats", "StepOutput"]
+
+
+class PromptLogprob(NamedTuple):
+    """One prompt token given the ones before it: its raw logprob, its rank in that distribution
+    (1 = most likely), and the `prompt_logprobs` most likely (id, raw logprob), descending."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
@@ -29,6 +39,9 @@ class SequenceDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # With `prompt_logprobs`, in the first delta of the request's first sample only: one entry per
+    # prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -77,6 +90,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # see SequenceDelta
 
     @property
     def finished(self) -> bool:
@@ -89,6 +103,8 @@ class RequestOutput:
         out.token_ids.extend(delta.token_ids)
         out.finish_reason = delta.finish_reason
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.logprobs is not None:
             if out.logprobs is None:
                 out.logprobs, out.top_logprobs = [], []
@@ -145,3 +161,9 @@ class EngineLimits:
             raise ValueError("stop strings need a tokenizer")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size})")
+        if params.bad_words and not self.detokenizes:
+            raise ValueError("bad_words need a tokenizer")

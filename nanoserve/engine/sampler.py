@@ -4,7 +4,9 @@ One step runs, all vectorised over the batch:
 
 1. raw logprobs = log_softmax(logits) (only if some row asked for logprobs);
 2. penalties (repetition, then frequency and presence) on the rows that use them;
-3. suppressed ids (stop/EOS ids while `min_tokens` is not reached) -> -inf;
+3. token constraints (`_TokenConstraints`: logit bias, allowed token ids, bad words) on the rows
+   that have them;
+3b. suppressed ids (stop/EOS ids while `min_tokens` is not reached) -> -inf;
    grammar masks: on constrained rows, every token the row's grammar forbids -> -inf;
 4. greedy rows take the argmax (ties: lowest id);
 5. sampled rows divide by their temperature, then keep top-k, then top-p, then min-p (each on the
@@ -94,6 +96,73 @@ class _Penalties:
         seen = logits[self.rows, self.ids]
         seen = torch.where(seen > 0, seen / self.repetition, seen * self.repetition) - self.offset
         logits[self.rows, self.ids] = seen
+
+
+@dataclass(slots=True, frozen=True)
+class _TokenConstraints:
+    """logit_bias, allowed_token_ids and bad words of the rows that have them, as sparse tensors:
+    rows without any are never touched.
+
+    `bias` adds values[e] to logit (rows[e], ids[e]); `allowed` keeps, in each of its rows, only the
+    ids marked in its mask [R, V] (the others -> -inf); `banned` sets (rows[e], ids[e]) to -inf: the
+    single-token bad words, and the last token of each longer bad word whose other tokens end the
+    row's output so far.
+    """
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, values)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R], keep mask [R, V])
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids)
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]], vocab_size: int,
+              device: torch.device) -> _TokenConstraints | None:
+        """None when no row has a constraint. Ids >= vocab_size are ignored (requests are validated
+        against the vocabulary before they reach the engine)."""
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        allowed: list[tuple[int, list[int]]] = []
+        banned: list[list[int]] = [[] for _ in params]
+        for i, p in enumerate(params):
+            if not p.uses_token_constraints:
+                continue
+            for t, b in (p.logit_bias or {}).items():
+                if t < vocab_size:
+                    bias_rows.append(i)
+                    bias_ids.append(t)
+                    bias_values.append(b)
+            if p.allowed_token_ids is not None:
+                allowed.append((i, [t for t in p.allowed_token_ids if t < vocab_size]))
+            out = output_ids[i]
+            for word in p.bad_words_token_ids or ():
+                prefix = len(word) - 1
+                if word[-1] < vocab_size and (prefix == 0 or (len(out) >= prefix and list(out[-prefix:]) == word[:-1])):
+                    banned[i].append(word[-1])
+        if not bias_rows and not allowed and not any(banned):
+            return None
+        bias = None
+        if bias_rows:
+            bias = (torch.tensor(bias_rows, dtype=torch.long, device=device),
+                    torch.tensor(bias_ids, dtype=torch.long, device=device),
+                    torch.tensor(bias_values, dtype=torch.float32, device=device))
+        keep = None
+        if allowed:
+            mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool, device=device)
+            mask_rows, mask_ids = _flat_ids([ids for _, ids in allowed], device)
+            mask[mask_rows, mask_ids] = True
+            keep = (torch.tensor([i for i, _ in allowed], dtype=torch.long, device=device), mask)
+        return cls(bias, keep, _flat_ids(banned, device) if any(banned) else None)
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """Biases, restricts and bans in place on `logits` [B, V]."""
+        if self.bias is not None:
+            rows, ids, values = self.bias
+            logits.index_put_((rows, ids), values, accumulate=True)
+        if self.allowed is not None:
+            rows, keep = self.allowed
+            logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+        if self.banned is not None:
+            logits[self.banned] = float("-inf")
 
 
 @dataclass(slots=True, frozen=True)
@@ -264,7 +333,8 @@ class SamplingBatch:
 
     Invariants: `sampled` holds exactly the rows with temperature > 0 (None if there are none);
     every other row is greedy. `penalties` is None iff no row uses penalties,
-    `suppressed` is None iff nothing is suppressed, `logprobs_k` is None iff no row asked for
+    `suppressed` is None iff nothing is suppressed, `constraints` is None iff no row has a token
+    constraint, `logprobs_k` is None iff no row asked for
     logprobs (else it holds each row's top-logprobs count, 0 for rows that asked none). An all-greedy
     batch with none of those holds no tensor at all.
     """
@@ -277,6 +347,7 @@ class SamplingBatch:
     # Constrained rows [m] and their allowed tokens [m, vocab_size] bool (`structured`); None iff
     # no row is constrained. Each row allows at least one token.
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    constraints: _TokenConstraints | None = None
 
     @classmethod
     def build(
@@ -316,7 +387,8 @@ class SamplingBatch:
 
         asked = any(p.logprobs is not None for p in params)
         logprobs_k = tuple(p.logprobs or 0 for p in params) if asked else None
-        return cls(vocab_size, sampled, penalties, suppressed, logprobs_k, allowed)
+        constraints = _TokenConstraints.build(params, output_ids, vocab_size, device)
+        return cls(vocab_size, sampled, penalties, suppressed, logprobs_k, allowed, constraints)
 
 
 def apply_grammar_masks_(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
@@ -344,10 +416,13 @@ class Sampler:
         """`logits` [B, >= vocab_size] float; never modified."""
         raw = logits[:, : batch.vocab_size].float()
         logits = raw
-        if batch.penalties is not None or batch.suppressed is not None or batch.allowed is not None:
+        if (batch.penalties is not None or batch.suppressed is not None or batch.allowed is not None
+                or batch.constraints is not None):
             logits = raw.clone()
             if batch.penalties is not None:
                 batch.penalties.apply_(logits)
+            if batch.constraints is not None:
+                batch.constraints.apply_(logits)
             if batch.suppressed is not None:
                 logits[batch.suppressed] = float("-inf")
             if batch.allowed is not None:

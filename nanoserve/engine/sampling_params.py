@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +63,17 @@ class SamplingParams:
     `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` and `min_p == 0` disable those
     filters. `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled token's logprob
     and the k most likely tokens' (k may be 0). Logprobs are those of the model's raw distribution
-    (log-softmax of the logits, before penalties, temperature and filters). `structured`
-    constrains the output to a JSON schema, regex, choice or grammar (see `StructuredOutputs`).
+    (log-softmax of the logits, before penalties, logit bias, temperature and filters).
+
+    Token constraints, applied to the logits after the penalties and before temperature and the
+    filters (greedy rows too): `logit_bias` adds a value in [-100, 100] to a token's logit;
+    `allowed_token_ids` keeps only those tokens; `bad_words` bans the last token of each word's
+    token sequence wherever the output so far ends with the tokens before it.
+    `include_stop_str_in_output` keeps a matched stop string at the end of the text.
+    `prompt_logprobs=k` returns, for every prompt token after the first, its raw logprob given the
+    tokens before it and the k most likely tokens there.
+    `structured` constrains the output to a JSON schema, regex, choice or grammar (see
+    `StructuredOutputs`).
     """
 
     n: int = 1
@@ -84,6 +93,13 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    # `bad_words` as token sequences (see `resolve_bad_words`); filled by the front end or the engine.
+    bad_words_token_ids: list[list[int]] | None = None
 
     MAX_LOGPROBS = 20
 
@@ -99,6 +115,11 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def uses_token_constraints(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad_words change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def validate(self) -> None:
         """Raises ValueError naming the first field out of range."""
@@ -125,7 +146,33 @@ class SamplingParams:
              "stop_token_ids must be non-negative integers"),
             (self.structured is None or self.min_tokens == 0,
              "min_tokens cannot be combined with structured output (the grammar decides where the output ends)"),
+            (all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in (self.logit_bias or {}).items()),
+             "logit_bias must map token ids to biases in [-100, 100]"),
+            (self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0
+                                                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids"),
+            (all(isinstance(w, str) and w for w in self.bad_words), "bad_words must be a list of non-empty strings"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+class WordEncoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer: WordEncoder) -> None:
+    """Fills `params.bad_words_token_ids` from `params.bad_words`, once: each word as it is
+    tokenized alone and after a space (the form it takes inside a text), duplicates dropped."""
+    if params.bad_words_token_ids is not None or not params.bad_words:
+        return
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        for form in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(form, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    params.bad_words_token_ids = sequences

@@ -124,7 +124,9 @@ class Scheduler:
                 if not (sibling.finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens):
                     continue
                 seq.wait_for = None
-            seq.num_computed_tokens = self.kv.match(seq.table, seq.all_token_ids)  # the table is empty here
+            # The table is empty here. Prompt logprobs need every prompt row, so no prefix match then.
+            if not seq.needs_prompt_logprobs:
+                seq.num_computed_tokens = self.kv.match(seq.table, seq.all_token_ids)
             head = self._first_uncached_block(seq)
             if head is not None and head in computing:
                 self.kv.free(seq.table, seq.all_token_ids, 0)

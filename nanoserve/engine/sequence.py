@@ -85,6 +85,12 @@ class Sequence:
         return 0 if self.draft is None else len(self.draft.tokens)
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether this sequence computes its prompt's logprobs: the first sample of a request that
+        asked for them, until its first token (preemption later recomputes no logprobs)."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and not self.output_token_ids
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 

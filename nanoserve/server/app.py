@@ -4,6 +4,10 @@
 end, metrics registry, model name) lives in the app it builds, never at module level. The engine
 core (a thread or a process) starts and stops with the app's lifespan; `app.state.engine` is the
 `AsyncEngine` (tests read its `snapshot` to check that the KV pool is free again).
+
+The POST routes read their bodies themselves (`_parse`: JSON whatever the Content-Type, strict
+types, OpenAI-shaped 400s); `/openapi.json` still documents each body, by its pydantic model
+(`_document_bodies`), so `/docs` and generated clients see every field.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoserve.engine.args import EngineArgs
@@ -32,6 +39,7 @@ from nanoserve.server.reasoning_parsers import REASONING_PARSER_NAMES
 from nanoserve.server.serving import Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
+from nanoserve.server.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.tool_parsers import PARSER_NAMES
 
 DEMO_MODEL_NAME = "nanoserve-demo"
@@ -41,7 +49,9 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """`served_model_name` defaults to the engine's model argument (DEMO_MODEL_NAME for the demo
-    model); `api_key`, when set, guards /v1/*, /tokenize and /detokenize."""
+    model); `api_key`, when set, guards /v1/*, /tokenize and /detokenize. `allowed_origins`:
+    the origins browsers may call from (CORS; empty: no CORS headers, "*": any).
+    `sse_keep_alive_s`: a silent stream's keep-alive comment interval (None: never)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -49,8 +59,12 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # auto (from the chat template), hermes, llama3_json or none
     stream_interval: int = 1  # steps between a request's outputs (see AsyncEngine)
     reasoning_parser: str = "auto"  # auto (from the chat template), deepseek_r1, qwen3 or none
+    allowed_origins: tuple[str, ...] = ()
+    sse_keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
 
     def __post_init__(self) -> None:
+        if self.sse_keep_alive_s is not None and self.sse_keep_alive_s <= 0:
+            raise ValueError("the SSE keep-alive interval must be positive (None: no keep-alive)")
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose one of "
                              f"{', '.join(PARSER_NAMES)}")
@@ -76,7 +90,8 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     metrics = Metrics()
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
                                stream_interval=config.stream_interval, on_load_failure=on_load_failure)
-    serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser)
+    serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser,
+                      keep_alive_s=config.sse_keep_alive_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -91,9 +106,41 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     install_error_handlers(app)
     if config.api_key:
         app.add_middleware(BearerAuth, api_key=config.api_key)
+    if config.allowed_origins:  # added last, so it runs first: preflights never meet the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     _add_routes(app, serving, metrics)
     register_pages(app)
+    _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     return app
+
+
+def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Makes `app.openapi()` describe each route's JSON body by its model (the routes parse bodies
+    themselves, so FastAPI cannot see them), and the OpenAI-shaped 400 every body can get."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            refs, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                            ref_template="#/components/schemas/{model}")
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            schemas.update(defs.get("$defs", {}))
+            schemas["ErrorResponse"] = {"type": "object", "required": ["error"], "properties": {"error": {
+                "type": "object", "required": ["message", "type"],
+                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                               "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+            error = {"description": "an invalid request (`error.param` names the field)",
+                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            for path, model in bodies.items():
+                operation = spec["paths"][path]["post"]
+                operation["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": refs[(model, "validation")]}}}
+                operation.setdefault("responses", {})["400"] = error
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _ready(engine: LLMEngine) -> Callable[[], LLMEngine]:

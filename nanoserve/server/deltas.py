@@ -11,7 +11,8 @@ from nanoserve.engine.outputs import SequenceDelta
 
 def coalesce(deltas: list[SequenceDelta]) -> list[SequenceDelta]:
     """`deltas` (in arrival order) with each sequence's consecutive deltas merged into one: token
-    ids, text and logprobs concatenated in order, finish reason and counts from the last.
+    ids, text and logprobs concatenated in order, finish reason and counts from the last, prompt
+    logprobs from the first that has them (only a sequence's first delta does).
 
     Invariants: per sequence, the concatenated token ids, text and logprobs are unchanged, and
     its merged deltas keep their order; a delta after a finished one, or one whose logprobs are
@@ -33,6 +34,7 @@ def coalesce(deltas: list[SequenceDelta]) -> list[SequenceDelta]:
             logprobs=None if prev.logprobs is None or d.logprobs is None else prev.logprobs + d.logprobs,
             top_logprobs=(None if prev.top_logprobs is None or d.top_logprobs is None
                           else prev.top_logprobs + d.top_logprobs),
+            prompt_logprobs=prev.prompt_logprobs if prev.prompt_logprobs is not None else d.prompt_logprobs,
         )
     return out
 

@@ -49,10 +49,12 @@ class EngineState(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What a front end needs of a loaded engine to take requests: its tokenizer (None: token
-    ids only) and the limits a request is validated against."""
+    ids only), the limits a request is validated against, and the sampling defaults it fills
+    unset fields with (the model's generation config)."""
 
     tokenizer: Tokenizer | None
     limits: EngineLimits
+    sampling_defaults: dict[str, float | int] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -189,7 +191,7 @@ def run_core(loader: Callable[[], LLMEngine], receive: Receive, send: Send) -> N
         send(Exited(EngineState.DEAD, str(e)))
         return
     core = EngineCore(engine)
-    send(Ready(EngineInfo(engine.tokenizer, engine.limits), engine.snapshot()))
+    send(Ready(EngineInfo(engine.tokenizer, engine.limits, engine.sampling_defaults), engine.snapshot()))
     try:
         core.run(receive, send)
     except BaseException as e:

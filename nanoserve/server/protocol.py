@@ -2,8 +2,9 @@
 
 Invariants: types are checked strictly (a string is never coerced to a number), so a wrong type is
 a 400 naming the field; every field is optional where the SDK may send `null`, and `null` means
-the default; unknown fields are kept in `model_extra` (the handler logs and ignores them). Ranges
-are checked once, by `SamplingParams.validate`, when `sampling_params` builds the engine's params.
+the default; unknown fields are kept in `model_extra`, where the handler refuses them (a 400
+naming the field: see `Serving.check_request`). Ranges are checked once, by
+`SamplingParams.validate`, when `sampling_params` builds the engine's params.
 """
 
 from __future__ import annotations
@@ -154,6 +155,9 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
@@ -167,6 +171,10 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's stored completions: nanoserve stores nothing, so `store: true` is a 400 and
+    # `metadata` (tags for stored completions) has nothing to tag.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -197,18 +205,33 @@ class _SamplingRequest(BaseModel):
                            param=asked[1][0])
         return asked[0] if asked else None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; a value out of range is a 400 naming its field."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """The engine's parameters, `defaults` (the model's generation config) filling the fields
+        the request leaves unset; a value out of range is a 400 naming its field."""
+        if self.store:
+            raise APIError(400, "store is not supported: nanoserve stores no completions", param="store")
         given = {k: v for k, v in self.model_dump(include=set(_SAMPLING_FIELDS)).items() if v is not None}
+        if self.logit_bias is not None:
+            given["logit_bias"] = _token_bias(self.logit_bias)
         constraint = self.structured()
         if constraint is not None:
             given["structured"] = constraint[1]
         try:
-            return SamplingParams(**{**given, "max_tokens": max_tokens, "logprobs": logprobs})
+            return SamplingParams(**{**(defaults or {}), **given, "max_tokens": max_tokens, "logprobs": logprobs})
         except ValueError as e:
             raise bad_request(e, _SAMPLING_FIELDS) from e
+
+
+def _token_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token id as a string -> bias) with int keys; 400 for a key that is
+    not a token id."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -277,6 +300,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
+    prompt_logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 

@@ -74,6 +74,7 @@ class Serving:
     tool_call_parser: str = "auto"  # see nanoserve.server.tool_parsers.PARSER_NAMES
     reasoning_parser: str = "auto"  # see nanoserve.server.reasoning_parsers.REASONING_PARSER_NAMES
     grammars: GrammarGate = field(default_factory=GrammarGate)
+    keep_alive_s: float | None = None  # a silent stream's keep-alive comment interval (see sse)
 
     def tool_parser(self, tok: Tokenizer) -> type[ToolCallParser]:
         """The parser of tool calls in this model's output, or a 400 when there is none: the chat
@@ -102,13 +103,15 @@ class Serving:
         return tok
 
     def check_request(self, body: BaseModel, model: str | None) -> None:
-        """404 for a model other than the served one (as OpenAI and vLLM answer); logs (and
-        ignores) unknown fields."""
+        """404 for a model other than the served one (as OpenAI and vLLM answer); 400 naming the
+        first field nanoserve does not implement (a field sent as null is unset, so allowed)."""
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
-        if body.model_extra:
-            log.warning("ignoring unsupported request fields: %s", ", ".join(sorted(body.model_extra)))
+        unknown = sorted(k for k, v in (body.model_extra or {}).items() if v is not None)
+        if unknown:
+            raise APIError(400, f"unsupported request field{'s' if len(unknown) > 1 else ''}: "
+                           f"{', '.join(unknown)}", param=unknown[0], code="unsupported_field")
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int,
                kind: str) -> OutputStream:
@@ -123,7 +126,11 @@ class Serving:
 
 
 def validate_prompt(limits: EngineLimits, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
-    """400, with the numbers, for a prompt the engine could never run."""
+    """400, with the numbers, for a prompt the engine could never run, or (naming the field) a
+    token id outside the vocabulary in logit_bias or allowed_token_ids."""
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        if any(not 0 <= t < limits.vocab_size for t in ids):
+            raise APIError(400, f"{name} token ids must be in [0, {limits.vocab_size})", param=name)
     try:
         limits.validate(prompt_ids, params)
     except ValueError as e:

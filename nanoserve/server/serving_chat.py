@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve.engine.outputs import SequenceDelta
-from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
 from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
 from nanoserve.server.chat_output import ChatOutputFormat, tool_call_chunks
@@ -64,7 +64,8 @@ def prepare_chat(info: EngineInfo, body: ChatCompletionRequest) -> tuple[list[in
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
         max_tokens = max(info.limits.max_tokens_in_pool - len(ids), 1)
-    params = body.sampling_params(max_tokens, body.requested_logprobs())
+    params = body.sampling_params(max_tokens, body.requested_logprobs(), info.sampling_defaults)
+    resolve_bad_words(params, tok)
     validate_prompt(info.limits, ids, params, "messages")
     return ids, params
 
@@ -94,7 +95,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     stream = serving.submit([ids], params, body.priority or 0, "chatcmpl")
     if body.stream:
         events = _events(serving, stream, tok, params.n, body.include_usage, output)
-        return sse.SSEResponse(events, on_close=stream.close)
+        return sse.SSEResponse(events, on_close=stream.close, keep_alive_s=serving.keep_alive_s)
     return await _complete(serving, stream, tok, params.n, request, output)
 
 

@@ -4,6 +4,10 @@ each with n samples; choice `i * n + j` is sample j of prompt i.
 Stream shape: `text_completion` chunks with text deltas, then per choice a chunk with empty text
 and the finish_reason; with include_usage a final chunk with empty choices and the usage; then
 [DONE]. With `echo` each choice's first chunk is its prompt.
+
+With `prompt_logprobs=k` (vLLM's field; not with streaming), every choice carries its prompt's
+`prompt_logprobs`: None for the first token, then per prompt token a map from token id (as a
+string) to `{logprob, rank, decoded_token}` holding that token and the k most likely ones.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.engine.outputs import SequenceDelta
-from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.outputs import PromptLogprob, SequenceDelta
+from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
 from nanoserve.server import sse
 from nanoserve.server.async_engine import EngineError, OutputStream
 from nanoserve.server.engine_core import EngineInfo
+from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.serving import (
     ChoiceOutput,
@@ -44,7 +49,10 @@ def prepare_completion(info: EngineInfo, tok: Tokenizer,
     """Prompt ids and sampling params. Blocking (tokenizer), so handlers run it in a worker thread."""
     ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
-    params = body.sampling_params(max_tokens, body.logprobs)
+    params = body.sampling_params(max_tokens, body.logprobs, info.sampling_defaults)
+    if params.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs is not supported with streaming", param="prompt_logprobs")
+    resolve_bad_words(params, tok)
     for prompt_ids in ids:
         validate_prompt(info.limits, prompt_ids, params, "prompt")
     return ids, params
@@ -62,7 +70,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     choice_of = {rid: i * params.n for i, rid in enumerate(stream.request_ids)}
     if body.stream:
         events = _events(serving, stream, tok, choice_of, params.n, echo, body.include_usage)
-        return sse.SSEResponse(events, on_close=stream.close)
+        return sse.SSEResponse(events, on_close=stream.close, keep_alive_s=serving.keep_alive_s)
     return await _complete(serving, stream, tok, choice_of, params.n, echo, request)
 
 
@@ -70,6 +78,20 @@ def _entries(tok: Tokenizer, d: SequenceDelta) -> list[_Entry]:
     tops = d.top_logprobs or [[] for _ in d.token_ids]
     return [(token_text(tok, t), lp, {token_text(tok, i): v for i, v in top})
             for t, lp, top in zip(d.token_ids, d.logprobs or [], tops, strict=True)]
+
+
+def prompt_logprobs_body(tok: Tokenizer, entries: list[PromptLogprob | None]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob,
+    rank, decoded_token}} for the token itself and the most likely ones (rank 1 = the likeliest)."""
+    def entry(e: PromptLogprob | None) -> dict[str, Any] | None:
+        if e is None:
+            return None
+        out = {str(t): {"logprob": lp, "rank": rank + 1, "decoded_token": token_text(tok, t)}
+               for rank, (t, lp) in enumerate(e.top)}
+        out[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(tok, e.token_id)}
+        return out
+
+    return [entry(e) for e in entries]
 
 
 def _logprobs(entries: list[_Entry], offset: int) -> dict[str, Any]:
@@ -86,11 +108,14 @@ async def _complete(serving: Serving, stream: OutputStream, tok: Tokenizer, choi
                     echo: list[str] | None, request: Request) -> Response:
     choices = [ChoiceOutput() for _ in range(len(choice_of) * n)]
     usage = UsageTally()
+    prompt_logprobs: dict[int, list[dict[str, Any] | None]] = {}  # by the request's first choice
 
     def on_delta(d: SequenceDelta) -> None:
         usage.add(d)
         entries = _entries(tok, d) if d.logprobs is not None else None
         choices[choice_of[d.request_id] + d.index].add(d, entries)
+        if d.prompt_logprobs is not None:
+            prompt_logprobs[choice_of[d.request_id]] = prompt_logprobs_body(tok, d.prompt_logprobs)
 
     try:
         if not await collect(request, stream, on_delta):
@@ -101,7 +126,9 @@ async def _complete(serving: Serving, stream: OutputStream, tok: Tokenizer, choi
         "id": stream.id, "object": "text_completion", "created": now_s(), "model": serving.model_name,
         "choices": [{"index": i, "text": (echo[i // n] if echo else "") + "".join(c.text),
                      "logprobs": None if c.logprobs is None else _logprobs(c.logprobs, 0),
-                     "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+                     "finish_reason": c.finish_reason,
+                     **({"prompt_logprobs": prompt_logprobs.get(i - i % n)} if prompt_logprobs else {})}
+                    for i, c in enumerate(choices)],
         "usage": usage.body(),
     })
 

@@ -1,7 +1,8 @@
 """Per-sequence output text: incremental detokenization and stop strings.
 
 Text that could still turn into a stop string is held back until it cannot (so a client never
-sees the start of a stop string that is later cut), and a matched stop string is not emitted.
+sees the start of a stop string that is later cut), and a matched stop string is not emitted
+(unless `include_stop`: then the text ends with it).
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from nanoserve.tokenizer.tokenizer import Tokenizer
 
 
 class TextStream:
-    """Invariant: `text` (all emitted deltas) never changes once emitted, and never contains a
-    stop string; `_pending` holds the decoded text not yet emitted."""
+    """Invariant: `text` (all emitted deltas) never changes once emitted, and contains a stop
+    string only at its end, and only with `include_stop`; `_pending` holds the decoded text not
+    yet emitted."""
 
-    __slots__ = ("_detok", "_max_stop", "_pending", "stopped", "stops", "text")
+    __slots__ = ("_detok", "_include_stop", "_max_stop", "_pending", "stopped", "stops", "text")
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: list[str],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self._include_stop = include_stop
         self.stops = stops
         self._max_stop = max((len(s) for s in stops), default=0)
         self._pending = ""
@@ -40,10 +43,11 @@ class TextStream:
     def _release(self, final: bool) -> str:
         pending = self._pending
         if self.stops and pending:
-            hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+            hits = [(i, -len(s)) for s in self.stops if (i := pending.find(s)) >= 0]
             if hits:
                 self.stopped = True
-                return self._emit(pending[: min(hits)])
+                start, minus_len = min(hits)  # the first stop string, the longest one starting there
+                return self._emit(pending[: start - minus_len if self._include_stop else start])
             if not final:
                 return self._emit(pending[: len(pending) - self._held(pending)])
         return self._emit(pending)
