@@ -11,8 +11,12 @@ deepest radix node whose blocks it matched or inserted; `free` returns both.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from nanoserve.kv.block_pool import BlockPool
 from nanoserve.kv.radix_cache import RadixCache, RadixNode
@@ -36,6 +40,17 @@ class KVStats(NamedTuple):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     prefix_evicted_blocks: int
+
+
+class BlockState(enum.IntEnum):
+    """What holds a block (`KVCacheManager.block_states`). FREE: on the free list; USED: held by
+    live sequences only; CACHED: in the prefix tree on no live sequence's path (evictable);
+    PINNED: in the prefix tree on a path a live sequence locks (not evictable)."""
+
+    FREE = 0
+    USED = 1
+    CACHED = 2
+    PINNED = 3
 
 
 @dataclass(slots=True)
@@ -94,6 +109,21 @@ class KVCacheManager:
             prefix_queried_tokens=self.stats.queried_tokens, prefix_hit_tokens=self.stats.hit_tokens,
             prefix_evicted_blocks=cache.evictions if cache else 0,
         )
+
+    def block_states(self, walk: list[tuple[RadixNode, int]] | None = None) -> npt.NDArray[np.uint8]:
+        """One `BlockState` per block id. Counts agree with the pool and the tree: FREE ==
+        pool.num_free, CACHED == cache.evictable_blocks, PINNED == cache.protected_blocks.
+        `walk`: the tree's `RadixCache.walk()`, if the caller already has it. Read-only; one
+        vectorised pass over the reference counts plus one visit per tree node."""
+        states = (np.asarray(self.pool.ref_counts) > 0).astype(np.uint8)  # FREE or USED
+        if self.cache is not None:
+            cached: list[int] = []
+            pinned: list[int] = []
+            for node, _ in self.cache.walk() if walk is None else walk:
+                (pinned if node.lock_ref else cached).extend(node.blocks)
+            states[cached] = BlockState.CACHED
+            states[pinned] = BlockState.PINNED
+        return states
 
     def match(self, table: BlockTable, tokens: list[int]) -> int:
         """Points an empty table at the longest cached prefix of `tokens` and returns how many

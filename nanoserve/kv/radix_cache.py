@@ -176,6 +176,16 @@ class RadixCache:
             stack.extend(node.children.values())
         return out
 
+    def walk(self) -> list[tuple[RadixNode, int]]:
+        """Every node but the root, breadth first (parents before children), each with its
+        parent's position in this list (-1: the root). Read-only: for views of the tree's shape."""
+        out: list[tuple[RadixNode, int]] = [(child, -1) for child in self.root.children.values()]
+        i = 0
+        while i < len(out):
+            out.extend((child, i) for child in out[i][0].children.values())
+            i += 1
+        return out
+
     def cached_blocks(self) -> list[int]:
         """Every block held by the tree (for invariant checks)."""
         return [b for n in self._nodes() for b in n.blocks]

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.async_engine import AsyncEngine
+from nanoserve.server.dashboard import register_dashboard
 from nanoserve.server.engine_core import EngineState
 from nanoserve.server.errors import APIError, error_body, install_error_handlers, invalid_request
 from nanoserve.server.metrics import Metrics
@@ -39,7 +40,7 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """`served_model_name` defaults to the engine's model argument (DEMO_MODEL_NAME for the demo
-    model); `api_key`, when set, guards /v1/*, /tokenize and /detokenize."""
+    model); `api_key`, when set, guards /v1/*, /tokenize, /detokenize and /dashboard/stats."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -86,6 +87,7 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     if config.api_key:
         app.add_middleware(BearerAuth, api_key=config.api_key)
     _add_routes(app, serving, metrics)
+    register_dashboard(app, async_engine)
     return app
 
 
@@ -175,8 +177,9 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
 
 
 class BearerAuth:
-    """ASGI middleware: `Authorization: Bearer <api_key>` on /v1/*, /tokenize and /detokenize,
-    compared in constant time; /health, /metrics and the docs stay open."""
+    """ASGI middleware: `Authorization: Bearer <api_key>` on /v1/*, /tokenize, /detokenize and
+    /dashboard/stats, compared in constant time; /health, /metrics, the docs and the pages' static
+    files stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -195,4 +198,4 @@ class BearerAuth:
 
 
 def _guarded(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/dashboard/stats")
