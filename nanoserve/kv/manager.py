@@ -115,7 +115,8 @@ class KVCacheManager:
         pool.num_free, CACHED == cache.evictable_blocks, PINNED == cache.protected_blocks.
         `walk`: the tree's `RadixCache.walk()`, if the caller already has it. Read-only; one
         vectorised pass over the reference counts plus one visit per tree node."""
-        states = (np.asarray(self.pool.ref_counts) > 0).astype(np.uint8)  # FREE or USED
+        refs = np.fromiter(self.pool.ref_counts, dtype=np.int32, count=self.pool.num_blocks)
+        states = (refs > 0).astype(np.uint8)  # FREE or USED
         if self.cache is not None:
             cached: list[int] = []
             pinned: list[int] = []
