@@ -97,7 +97,7 @@ class LatencyWindow:
     """The latest TTFT and ITL samples as (time.monotonic when observed, seconds), each kind
     bounded to `max_samples` (the oldest go first), for percentiles over a recent window."""
 
-    def __init__(self, max_samples: int = 20_000) -> None:
+    def __init__(self, max_samples: int = 4096) -> None:
         self.ttft: deque[tuple[float, float]] = deque(maxlen=max_samples)
         self.itl: deque[tuple[float, float]] = deque(maxlen=max_samples)
 
