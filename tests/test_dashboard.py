@@ -29,15 +29,19 @@ from nanoserve.server.launcher import ServerThread
 FREE, USED, CACHED, PINNED = (int(s) for s in BlockState)
 
 
-def _states(kv: KVCacheManager) -> list[int]:
-    return kv.block_states().tolist()
-
-
-def _check_counts(kv: KVCacheManager) -> None:
-    counts = np.bincount(kv.block_states(), minlength=4)
+def _states(kv: KVCacheManager, *live: BlockTable) -> list[int]:
+    """The block states given the live tables, checked against the pool's and the tree's counts
+    and against a walk of the whole tree."""
+    states = kv.block_states(live)
+    counts = np.bincount(states, minlength=4)
     assert counts[FREE] == kv.pool.num_free
     if kv.cache is not None:
         assert counts[CACHED] == kv.cache.evictable_blocks and counts[PINNED] == kv.cache.protected_blocks
+        walk = kv.cache.walk()
+        assert kv.cache.num_nodes == len(walk)
+        for node, _ in walk:
+            assert set(states[node.blocks]) <= ({PINNED} if node.lock_ref else {CACHED})
+    return states.tolist()
 
 
 def test_block_states_follow_the_pool_and_the_tree() -> None:
@@ -45,26 +49,22 @@ def test_block_states_follow_the_pool_and_the_tree() -> None:
     tokens = list(range(12))
     a = BlockTable()
     assert kv.allocate(a, 10)  # blocks 0, 1, 2
-    assert _states(kv) == [USED] * 3 + [FREE] * 5
+    assert _states(kv, a) == [USED] * 3 + [FREE] * 5
     kv.commit(a, tokens[:10], 10)  # two full blocks published, pinned by a
-    assert _states(kv) == [PINNED, PINNED, USED] + [FREE] * 5
-    _check_counts(kv)
+    assert _states(kv, a) == [PINNED, PINNED, USED] + [FREE] * 5
     kv.free(a, tokens[:10], 10)  # a ends: its cached blocks stay, evictable; its partial block is freed
     assert _states(kv) == [CACHED, CACHED] + [FREE] * 6
-    _check_counts(kv)
     b = BlockTable()
     assert kv.match(b, tokens) == 8 and kv.allocate(b, 12)  # b reuses both and takes a fresh one
-    assert _states(kv) == [PINNED, PINNED, FREE, USED] + [FREE] * 4
-    _check_counts(kv)
+    assert _states(kv, b) == [PINNED, PINNED, FREE, USED] + [FREE] * 4
     c = BlockTable()
     assert kv.allocate(c, 8)  # c computes the same prefix on its own: its duplicates stay its own
     kv.commit(c, tokens[:8], 8)
-    assert _states(kv) == [PINNED, PINNED, FREE, USED, USED, USED] + [FREE] * 2
-    _check_counts(kv)
+    assert _states(kv, b, c) == [PINNED, PINNED, FREE, USED, USED, USED] + [FREE] * 2
     kv.free(b, tokens, 12)
+    assert _states(kv, c) == [PINNED, PINNED, FREE, CACHED, USED, USED] + [FREE] * 2  # b published its third
     kv.free(c, tokens[:8], 8)
-    assert _states(kv) == [CACHED, CACHED, FREE, CACHED] + [FREE] * 4  # b published its third block
-    _check_counts(kv)
+    assert _states(kv) == [CACHED, CACHED, FREE, CACHED] + [FREE] * 4
     assert kv.cache is not None and kv.cache.evict(8) == 3
     assert _states(kv) == [FREE] * 8
 
@@ -73,7 +73,7 @@ def test_block_states_without_a_prefix_cache_are_free_or_used() -> None:
     kv = KVCacheManager(6, 4, enable_prefix_caching=False)
     a = BlockTable()
     assert kv.allocate(a, 9)
-    assert _states(kv) == [USED] * 3 + [FREE] * 3
+    assert _states(kv, a) == [USED] * 3 + [FREE] * 3
     kv.free(a, list(range(9)), 9)
     assert _states(kv) == [FREE] * 6
 
@@ -88,8 +88,10 @@ def test_tree_walk_lists_parents_before_children() -> None:
     walk = kv.cache.walk()
     shape = sorted((parent, len(node.blocks)) for node, parent in walk)
     assert shape == [(-1, 1), (0, 1), (0, 1), (1, 1), (1, 1)]  # [1 2] -> {[3 4] -> {[5 6], [7 8]}, [9 9]}
+    assert kv.cache.num_nodes == 5
     for i, (node, parent) in enumerate(walk):
         assert parent < i and (parent == -1 or walk[parent][0] is node.parent)
+    assert kv.cache.walk(3) == walk[:3]
 
 
 def test_engine_stats_records_steps_only_while_asked() -> None:
@@ -234,9 +236,12 @@ def test_nothing_is_built_while_nobody_watches(demo_dir: Path) -> None:
         wait_idle(app)
         assert engine.stats_calls == 0 and not engine.recording_steps
         for _ in range(2):  # two viewers in turn: each starts the records, each leaves them stopped
+            calls = engine.stats_calls
             with httpx.stream("GET", f"{url}/dashboard/stats", timeout=30) as r:
-                next(_records(r))
-                assert engine.stats_calls > 0 and engine.recording_steps
+                records = _records(r)
+                next(records)
+                next(records)  # built at least one interval later, by a core still watched
+                assert engine.stats_calls >= calls + 2 and engine.recording_steps
             deadline = time.monotonic() + 10
             while engine.recording_steps:  # the server sees the client go and tells the core
                 assert time.monotonic() < deadline, "the stats records did not stop"

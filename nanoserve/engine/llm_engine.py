@@ -168,20 +168,21 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A record of the engine's insides for a live view (see `EngineStats`), taking the steps
-        recorded since the previous call. Walks the tree's nodes and each listed sequence once
-        and the block pool's reference counts vectorised: built a few times a second at most,
-        only while someone watches."""
+        recorded since the previous call. Reads the block pool's reference counts vectorised, the
+        running sequences' tables and locked paths, the tree's first nodes and the listed
+        sequences: built a few times a second at most, only while someone watches."""
         cache = self.kv.cache
-        walk = cache.walk() if cache is not None else []
-        tree = [(parent, len(node.blocks), node.lock_ref > 0) for node, parent in walk[:STATS_MAX_TREE_NODES]]
+        walk = cache.walk(STATS_MAX_TREE_NODES) if cache is not None else []
+        tree = [(parent, len(node.blocks), node.lock_ref > 0) for node, parent in walk]
         steps: list[StepRecord] = []
         if self._steps is not None:
             steps = list(self._steps)
             self._steps.clear()
-        waiting = self.scheduler.waiting
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        states = self.kv.block_states(s.table for s in running)
         return EngineStats(
-            time.monotonic(), self.kv.block_size, self.kv.block_states(walk).tobytes(), tree, len(walk),
-            [_sequence_stats(s) for s in self.scheduler.running[:STATS_MAX_SEQS]],
+            time.monotonic(), self.kv.block_size, states.tobytes(), tree, cache.num_nodes if cache is not None else 0,
+            [_sequence_stats(s) for s in running[:STATS_MAX_SEQS]],
             [_sequence_stats(s) for s in waiting[:STATS_MAX_SEQS]], len(waiting), steps, self.snapshot(),
             self.num_preemptions, self.scheduler.config.max_num_seqs, self.scheduler.config.max_num_batched_tokens,
         )

@@ -12,6 +12,7 @@ deepest radix node whose blocks it matched or inserted; `free` returns both.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -110,20 +111,29 @@ class KVCacheManager:
             prefix_evicted_blocks=cache.evictions if cache else 0,
         )
 
-    def block_states(self, walk: list[tuple[RadixNode, int]] | None = None) -> npt.NDArray[np.uint8]:
-        """One `BlockState` per block id. Counts agree with the pool and the tree: FREE ==
-        pool.num_free, CACHED == cache.evictable_blocks, PINNED == cache.protected_blocks.
-        `walk`: the tree's `RadixCache.walk()`, if the caller already has it. Read-only; one
-        vectorised pass over the reference counts plus one visit per tree node."""
+    def block_states(self, tables: Iterable[BlockTable]) -> npt.NDArray[np.uint8]:
+        """One `BlockState` per block id, given the block tables of every live sequence. Counts
+        agree with the pool and the tree: FREE == pool.num_free, CACHED == cache.evictable_blocks,
+        PINNED == cache.protected_blocks. A referenced block is held by a live table or by the tree,
+        and the locked nodes are the paths from the live tables' nodes to the root, so this reads
+        the reference counts (vectorised), the live tables and the locked paths, never the whole
+        tree."""
         refs = np.fromiter(self.pool.ref_counts, dtype=np.int32, count=self.pool.num_blocks)
-        states = (refs > 0).astype(np.uint8)  # FREE or USED
-        if self.cache is not None:
-            cached: list[int] = []
-            pinned: list[int] = []
-            for node, _ in self.cache.walk() if walk is None else walk:
-                (pinned if node.lock_ref else cached).extend(node.blocks)
-            states[cached] = BlockState.CACHED
-            states[pinned] = BlockState.PINNED
+        if self.cache is None:
+            return (refs > 0).astype(np.uint8)  # FREE or USED
+        states = np.where(refs > 0, BlockState.CACHED, BlockState.FREE).astype(np.uint8)
+        live: list[int] = []
+        pinned: list[int] = []
+        locked: set[int] = set()
+        for table in tables:
+            live.extend(table.blocks)
+            node = table.node
+            while node is not None and node is not self.cache.root and id(node) not in locked:
+                locked.add(id(node))
+                pinned.extend(node.blocks)
+                node = node.parent
+        states[live] = BlockState.USED
+        states[pinned] = BlockState.PINNED
         return states
 
     def match(self, table: BlockTable, tokens: list[int]) -> int:

@@ -1,15 +1,16 @@
 """The live engine dashboard: `GET /dashboard` (the page) and `GET /dashboard/stats` (its data).
 
-The stats stream is Server-Sent Events, one `data: <json>` event per `EngineStats` record the
-engine core sends (at most every `engine_core.STATS_INTERVAL_S`), merged with what only the front
-end knows: TTFT and ITL percentiles over the last `LATENCY_WINDOW_S` (of at most the latest
+The stats stream is Server-Sent Events, one `data: <json>` event per `EngineStats` record the engine
+core sends (at most every `engine_core.STATS_INTERVAL_S`), merged with what only the front end
+knows: TTFT and ITL percentiles over the last `LATENCY_WINDOW_S` (of at most the latest
 `LatencyWindow` samples) and token rates since the previous record. The core builds records only
 while at least one stream is open: the first client starts them, the last one to leave stops them
-(`AsyncEngine.watch_stats`). Each record is encoded once and handed to every client; a client
-that falls `CLIENT_BACKLOG` records behind loses its oldest ones rather than growing a queue. The stream is behind the API key when one is
-set (app.py's guard); the page itself carries no data and is served to anyone. A stream ends
-when its client goes; at shutdown, an open one is cancelled with the requests still in flight
-once the server's graceful-shutdown timeout runs out (uvicorn tells an application nothing before).
+(`AsyncEngine.watch_stats`). Each record is encoded once and handed to every client; a client that
+falls `CLIENT_BACKLOG` records behind loses its oldest ones rather than growing a queue. The stream
+is behind the API key when one is set (app.py's guard); the page itself carries no data and is
+served to anyone. A stream ends when its client goes; at shutdown, an open one is cancelled with the
+requests still in flight once the server's graceful-shutdown timeout runs out (uvicorn tells an
+application nothing before).
 """
 
 from __future__ import annotations
