@@ -56,10 +56,10 @@ def _drive(engine: LLMEngine, script: list[list[Command]]) -> list[Message]:
     iteration, then nothing while requests are unfinished, then a stop. Returns every message."""
     sent: list[Message] = []
 
-    def receive(block: bool) -> list[Command]:
+    def receive(timeout: float | None) -> list[Command]:
         if script:
             return script.pop(0)
-        return [None] if block else []
+        return [None] if timeout is None else []
 
     run_core(lambda: engine, receive, sent.append)
     return sent
@@ -104,7 +104,7 @@ def test_stream_interval_merges_steps_but_never_delays_the_first_or_the_last(eng
         front = AsyncEngine(lambda: engine, stream_interval=5)  # never started: the core's messages go in by hand
         front._on_message(Ready(EngineInfo(engine.tokenizer, engine.limits), engine.snapshot()))
         stream = front.add([prompt], GREEDY)
-        messages = _drive(engine, [front._receive(False)])
+        messages = _drive(engine, [front._receive(0.0)])
         got: list[list[SequenceDelta]] = []
 
         async def consume() -> None:

@@ -10,9 +10,11 @@ read-only accessors below, never through the scheduler or the KV manager.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +24,17 @@ from nanoserve.engine.model_runner import Model, ModelRunner
 from nanoserve.engine.outputs import (
     EngineLimits,
     EngineSnapshot,
+    EngineStats,
     KVStats,
     PromptLogprob,
     SequenceDelta,
     SequenceProgress,
+    SequenceStats,
     StepOutput,
+    StepRecord,
 )
 from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.spec_decode import Proposer, SpecStats
 from nanoserve.engine.structured import GrammarCompiler
@@ -38,6 +43,10 @@ from nanoserve.tokenizer import Tokenizer
 from nanoserve.tokenizer.text_stream import TextStream
 
 log = logging.getLogger(__name__)
+
+STEP_RING = 256  # steps kept for `stats` between two records
+STATS_MAX_TREE_NODES = 512
+STATS_MAX_SEQS = 256  # of each queue
 
 
 @dataclass(slots=True)
@@ -88,6 +97,7 @@ class LLMEngine:
         self._prompt_logprobs: dict[Sequence, list[PromptLogprob | None]] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._steps: collections.deque[StepRecord] | None = None  # filled by step() while recording
         log.info("KV cache: %d blocks of %d tokens (%s layout, prefix cache %s)", num_blocks, args.block_size,
                  args.kv, "on" if self.kv.cache else "off")
 
@@ -161,6 +171,37 @@ class LLMEngine:
         """Grammar matchers held by unfinished sequences."""
         return 0 if self.grammars is None else self.grammars.num_live
 
+    @property
+    def recording_steps(self) -> bool:
+        return self._steps is not None
+
+    def record_steps(self, on: bool) -> None:
+        """Starts (or stops and forgets) recording each step's composition for `stats`. Off by
+        default: a step then spends nothing on it but two tests of a flag."""
+        if on != self.recording_steps:
+            self._steps = collections.deque(maxlen=STEP_RING) if on else None
+
+    def stats(self) -> EngineStats:
+        """A record of the engine's insides for a live view (see `EngineStats`), taking the steps
+        recorded since the previous call. Reads the block pool's reference counts vectorised, the
+        running sequences' tables and locked paths, the tree's first nodes and the listed
+        sequences: built a few times a second at most, only while someone watches."""
+        cache = self.kv.cache
+        walk = cache.walk(STATS_MAX_TREE_NODES) if cache is not None else []
+        tree = [(parent, len(node.blocks), node.lock_ref > 0) for node, parent in walk]
+        steps: list[StepRecord] = []
+        if self._steps is not None:
+            steps = list(self._steps)
+            self._steps.clear()
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        states = self.kv.block_states(s.table for s in running)
+        return EngineStats(
+            time.monotonic(), self.kv.block_size, states.tobytes(), tree, cache.num_nodes if cache is not None else 0,
+            [_sequence_stats(s) for s in running[:STATS_MAX_SEQS]],
+            [_sequence_stats(s) for s in waiting[:STATS_MAX_SEQS]], len(waiting), steps, self.snapshot(),
+            self.num_preemptions, self.scheduler.config.max_num_seqs, self.scheduler.config.max_num_batched_tokens,
+        )
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError, with the numbers, when a request can never run, and with the
         compiler's message when its structured-output constraint does not compile."""
@@ -212,17 +253,22 @@ class LLMEngine:
     def step(self) -> StepOutput:
         """Runs one batched step; returns one delta per sequence that produced tokens or ended,
         and the requests that ended in it (see `StepOutput`)."""
+        recording = self._steps is not None
+        started = time.monotonic() if recording else 0.0
         plan = self.scheduler.schedule()
         if self.proposer is not None:
             for seq in plan.preempted:
                 self.proposer.release(seq)
         if not plan.scheduled:
             return StepOutput([])
+        composition = self._composition(plan) if recording else None
         result = self.runner.execute(plan)
         rejected = {}
         for seq, kept in result.verified:
             rejected[seq] = seq.num_draft_tokens + 1 - len(kept)
             self.spec_stats.record(seq.num_draft_tokens, len(kept) - 1)
+            seq.num_drafts_proposed += seq.num_draft_tokens
+            seq.num_drafts_accepted += len(kept) - 1
             if self.proposer is not None:
                 self.proposer.accepted(seq, len(kept) - 1)
         self.scheduler.advance(plan, rejected)
@@ -246,7 +292,24 @@ class LLMEngine:
             self._propose()
         self.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
         finished, self._finished = self._finished, []
+        if composition is not None and self._steps is not None:
+            end = time.monotonic()
+            self._steps.append(StepRecord(end, end - started, len(plan.scheduled), *composition,
+                                          self.scheduler.config.max_num_batched_tokens, len(plan.preempted)))
         return StepOutput(deltas, finished)
+
+    @staticmethod
+    def _composition(plan: StepPlan) -> tuple[int, int, int]:
+        """(decode, draft, prefill) tokens of a plan, read before the step advances it: a
+        sequence with one uncomputed token decodes (plus its drafts); any other computes a chunk."""
+        decode = drafts = prefill = 0
+        for seq, n in plan.scheduled:
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                decode += 1
+                drafts += n - 1
+            else:
+                prefill += n
+        return decode, drafts, prefill
 
     def _postprocess(self, seq: Sequence, tokens: list[int]) -> SequenceDelta:
         """Appends the step's tokens one by one, stopping at the first that ends the sequence."""
@@ -328,3 +391,9 @@ class LLMEngine:
         if all(s.finished for s in group.sequences):
             del self._groups[seq.request_id]
             self._finished.append(seq.request_id)
+
+
+def _sequence_stats(seq: Sequence) -> SequenceStats:
+    return SequenceStats(seq.request_id, seq.index, seq.num_prompt_tokens, seq.num_computed_tokens,
+                         seq.num_output_tokens, seq.params.max_tokens, seq.num_cached_tokens, seq.num_preemptions,
+                         seq.num_drafts_proposed, seq.num_drafts_accepted)

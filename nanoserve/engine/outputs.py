@@ -11,8 +11,9 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.kv.manager import KVStats, blocks_needed
 
-__all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "KVStats", "PromptLogprob", "RequestOutput",
-           "SequenceDelta", "SequenceProgress", "SpecStats", "StepOutput"]
+__all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "EngineStats", "KVStats", "PromptLogprob",
+           "RequestOutput", "SequenceDelta", "SequenceProgress", "SequenceStats", "SpecStats", "StepOutput",
+           "StepRecord"]
 
 
 class PromptLogprob(NamedTuple):
@@ -124,6 +125,66 @@ class EngineSnapshot:
     prompt_tokens: int
     generation_tokens: int
     spec: SpecStats
+
+
+class StepRecord(NamedTuple):
+    """The composition of one engine step that ran a batch. Its tokens: `decode_tokens` (one per
+    decoding sequence) + `draft_tokens` (the drafts those sequences verified) + `prefill_tokens`
+    (prompt chunks, and tokens recomputed after a preemption) <= `budget`
+    (max_num_batched_tokens). `end` is time.monotonic when the step ended."""
+
+    end: float
+    duration_s: float
+    num_seqs: int
+    decode_tokens: int
+    draft_tokens: int
+    prefill_tokens: int
+    budget: int
+    preempted: int
+
+
+class SequenceStats(NamedTuple):
+    """One unfinished sequence's progress, for a live view: `computed_tokens` of its prompt +
+    output tokens have their K/V in the pool (0 while it waits), `cached_tokens` of its prompt came
+    from the prefix cache at its first admission (-1 before it)."""
+
+    request_id: str
+    seq_index: int  # which of the request's n samples
+    prompt_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    max_tokens: int
+    cached_tokens: int
+    preemptions: int
+    drafts_proposed: int
+    drafts_accepted: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A record of the engine's insides for a live view (`LLMEngine.stats`), built only while
+    someone watches.
+
+    `block_states`: one `kv.BlockState` value per block id. `tree`: the prefix tree's first nodes
+    breadth first, as (parent's position in `tree` or -1 for the root, blocks, locked), so the
+    listed nodes form a connected top of the tree; `tree_nodes` counts all of them. `running` and
+    `waiting` list sequences in scheduling order, each capped (`num_waiting_seqs` is the true
+    count). `steps`: the steps since the previous record, oldest first (the most recent ones if
+    more ran than the ring holds). `snapshot`: the counters (tokens, prefix cache, speculation)."""
+
+    time: float
+    block_size: int
+    block_states: bytes
+    tree: list[tuple[int, int, bool]]
+    tree_nodes: int
+    running: list[SequenceStats]
+    waiting: list[SequenceStats]
+    num_waiting_seqs: int
+    steps: list[StepRecord]
+    snapshot: EngineSnapshot
+    num_preemptions: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,8 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_drafts_proposed: int = 0  # draft tokens verified, over the sequence's life
+    num_drafts_accepted: int = 0
     table: BlockTable = field(default_factory=BlockTable)
     wait_for: Sequence | None = None  # a sibling whose prompt blocks this one should reuse
     draft: Draft | None = None  # drafts to verify in the next step

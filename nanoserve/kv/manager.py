@@ -11,8 +11,13 @@ deepest radix node whose blocks it matched or inserted; `free` returns both.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from nanoserve.kv.block_pool import BlockPool
 from nanoserve.kv.radix_cache import RadixCache, RadixNode
@@ -36,6 +41,17 @@ class KVStats(NamedTuple):
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     prefix_evicted_blocks: int
+
+
+class BlockState(enum.IntEnum):
+    """What holds a block (`KVCacheManager.block_states`). FREE: on the free list; USED: held by
+    live sequences only; CACHED: in the prefix tree on no live sequence's path (evictable);
+    PINNED: in the prefix tree on a path a live sequence locks (not evictable)."""
+
+    FREE = 0
+    USED = 1
+    CACHED = 2
+    PINNED = 3
 
 
 @dataclass(slots=True)
@@ -94,6 +110,31 @@ class KVCacheManager:
             prefix_queried_tokens=self.stats.queried_tokens, prefix_hit_tokens=self.stats.hit_tokens,
             prefix_evicted_blocks=cache.evictions if cache else 0,
         )
+
+    def block_states(self, tables: Iterable[BlockTable]) -> npt.NDArray[np.uint8]:
+        """One `BlockState` per block id, given the block tables of every live sequence. Counts
+        agree with the pool and the tree: FREE == pool.num_free, CACHED == cache.evictable_blocks,
+        PINNED == cache.protected_blocks. A referenced block is held by a live table or by the tree,
+        and the locked nodes are the paths from the live tables' nodes to the root, so this reads
+        the reference counts (vectorised), the live tables and the locked paths, never the whole
+        tree."""
+        refs = np.fromiter(self.pool.ref_counts, dtype=np.int32, count=self.pool.num_blocks)
+        if self.cache is None:
+            return (refs > 0).astype(np.uint8)  # FREE or USED
+        states = np.where(refs > 0, BlockState.CACHED, BlockState.FREE).astype(np.uint8)
+        live: list[int] = []
+        pinned: list[int] = []
+        locked: set[int] = set()
+        for table in tables:
+            live.extend(table.blocks)
+            node = table.node
+            while node is not None and node is not self.cache.root and id(node) not in locked:
+                locked.add(id(node))
+                pinned.extend(node.blocks)
+                node = node.parent
+        states[live] = BlockState.USED
+        states[pinned] = BlockState.PINNED
+        return states
 
     def match(self, table: BlockTable, tokens: list[int]) -> int:
         """Points an empty table at the longest cached prefix of `tokens` and returns how many

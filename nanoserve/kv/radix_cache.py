@@ -55,6 +55,7 @@ class RadixCache:
         self.evictable_blocks = 0
         self.protected_blocks = 0
         self.evictions = 0
+        self.num_nodes = 0  # the root aside
 
     @property
     def total_blocks(self) -> int:
@@ -101,6 +102,7 @@ class RadixCache:
                 node.children[new.key[:size]] = new
                 self.pool.incref(new.blocks)
                 self.evictable_blocks += len(new.blocks)
+                self.num_nodes += 1
                 return new
             n = self._common_blocks(child.key, tokens, pos)
             if n < len(child.blocks):
@@ -143,6 +145,7 @@ class RadixCache:
             self.evictable_blocks -= len(node.blocks)
             released += len(node.blocks)
             self.evictions += len(node.blocks)
+            self.num_nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return released
@@ -166,6 +169,7 @@ class RadixCache:
         parent.children[upper.key[:size]] = upper
         node.key, node.blocks, node.parent = node.key[n * size :], node.blocks[n:], upper
         upper.children[node.key[:size]] = node
+        self.num_nodes += 1
         return upper
 
     def _nodes(self) -> list[RadixNode]:
@@ -175,6 +179,17 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+    def walk(self, limit: int | None = None) -> list[tuple[RadixNode, int]]:
+        """The nodes but the root, breadth first (parents before children), each with its
+        parent's position in this list (-1: the root); the first `limit` of them if given.
+        Read-only: for views of the tree's shape."""
+        out: list[tuple[RadixNode, int]] = [(child, -1) for child in self.root.children.values()]
+        i = 0
+        while i < len(out) and (limit is None or len(out) < limit):
+            out.extend((child, i) for child in out[i][0].children.values())
+            i += 1
+        return out if limit is None else out[:limit]
 
     def cached_blocks(self) -> list[int]:
         """Every block held by the tree (for invariant checks)."""

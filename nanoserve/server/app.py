@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.async_engine import AsyncEngine
+from nanoserve.server.dashboard import register_dashboard
 from nanoserve.server.engine_core import EngineState
 from nanoserve.server.errors import APIError, error_body, install_error_handlers, invalid_request
 from nanoserve.server.metrics import Metrics
@@ -49,7 +50,7 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """`served_model_name` defaults to the engine's model argument (DEMO_MODEL_NAME for the demo
-    model); `api_key`, when set, guards /v1/*, /tokenize and /detokenize. `allowed_origins`:
+    model); `api_key`, when set, guards /v1/*, /tokenize, /detokenize and /dashboard/stats. `allowed_origins`:
     the origins browsers may call from (CORS; empty: no CORS headers, "*": any).
     `sse_keep_alive_s`: a silent stream's keep-alive comment interval (None: never)."""
 
@@ -113,6 +114,7 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     register_pages(app)
     _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+    register_dashboard(app, async_engine)
     return app
 
 
@@ -229,8 +231,9 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
 
 
 class BearerAuth:
-    """ASGI middleware: `Authorization: Bearer <api_key>` on /v1/*, /tokenize and /detokenize,
-    compared in constant time; /health, /metrics and the docs stay open."""
+    """ASGI middleware: `Authorization: Bearer <api_key>` on /v1/*, /tokenize, /detokenize and
+    /dashboard/stats, compared in constant time; /health, /metrics, the docs and the pages' static
+    files stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -249,4 +252,4 @@ class BearerAuth:
 
 
 def _guarded(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/dashboard/stats")

@@ -8,6 +8,10 @@ pipe in the process case), and the core's messages come back through
 side, the request table, the admission counts, state changes, runs on the event loop and needs
 no lock, and a handler never blocks on the core.
 
+Stats: while at least one sink watches (`watch_stats`), the core sends an `EngineStats` record
+a few times a second and this side hands each to every sink, and keeps the recent TTFT and ITL
+samples (`latencies`); with no sink, the core records nothing for them.
+
 Aborts happen between steps: an aborted request's blocks are free after the core's next
 iteration. A core that exits, by a stop, an error or a crashed process, fails every stream still
 open.
@@ -22,6 +26,7 @@ every step), so the engine process spends nothing on either.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -36,7 +41,7 @@ from multiprocessing.process import BaseProcess
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.outputs import EngineSnapshot, SequenceDelta
+from nanoserve.engine.outputs import EngineSnapshot, EngineStats, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.server.deltas import coalesce
 from nanoserve.server.engine_core import (
@@ -49,10 +54,11 @@ from nanoserve.server.engine_core import (
     Message,
     Ready,
     Update,
+    WatchStats,
     run_core,
     run_core_process,
 )
-from nanoserve.server.metrics import Metrics
+from nanoserve.server.metrics import LatencyWindow, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +111,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._process: BaseProcess | None = None
+        self._stats_sinks: list[Callable[[EngineStats], None]] = []
+        self.latencies: LatencyWindow | None = None  # while stats are watched
 
     def start(self) -> None:
         """Starts the core (which loads the model); call from the event loop."""
@@ -152,6 +160,20 @@ class AsyncEngine:
             if self._streams.pop(rid, None) is not None:
                 self._commands.put(AbortRequest(rid))
 
+    def watch_stats(self, sink: Callable[[EngineStats], None]) -> None:
+        """Calls `sink` (on the event loop) with every `EngineStats` record from now until
+        `unwatch_stats(sink)`; the first sink starts the records, the last one stops them."""
+        self._stats_sinks.append(sink)
+        if len(self._stats_sinks) == 1:
+            self.latencies = LatencyWindow()
+            self._commands.put(WatchStats(True))
+
+    def unwatch_stats(self, sink: Callable[[EngineStats], None]) -> None:
+        self._stats_sinks.remove(sink)
+        if not self._stats_sinks:
+            self.latencies = None
+            self._commands.put(WatchStats(False))
+
     # ---- messages from the core (on the event loop) -----------------------------------------
 
     def _on_message(self, message: Message) -> None:
@@ -183,6 +205,9 @@ class AsyncEngine:
         for rid in update.finished:
             if (stream := self._streams.pop(rid, None)) is not None:
                 stream._finish(rid)
+        if update.stats is not None:
+            for sink in list(self._stats_sinks):
+                sink(update.stats)
 
     def _on_exit(self, exited: Exited) -> None:
         self.state, self.error = exited.state, exited.error
@@ -200,9 +225,13 @@ class AsyncEngine:
 
     # ---- the core's side of the queue and the transport ---------------------------------------
 
-    def _receive(self, block: bool) -> list[Command]:
-        """The commands queued so far (on the core thread); with `block`, waits for one."""
-        commands: list[Command] = [self._commands.get()] if block else []
+    def _receive(self, timeout: float | None) -> list[Command]:
+        """The commands queued so far (on the core thread), waiting up to `timeout` seconds
+        (None: however long) for the first."""
+        commands: list[Command] = []
+        if timeout != 0.0:
+            with contextlib.suppress(queue.Empty):
+                commands.append(self._commands.get(timeout=timeout))
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -363,13 +392,15 @@ class OutputStream:
     def _release(self) -> None:
         """Makes everything pending due to the consumer and wakes it."""
         now = time.monotonic()
+        recent = self._owner.latencies
         for rid in dict.fromkeys(d.request_id for d in self._pending[self._released :]):
             p = self._open[rid]
+            first = p.last is None
+            latency = now - (p.arrival if p.last is None else p.last)
             if self._metrics is not None:
-                if p.last is None:
-                    self._metrics.ttft.observe(now - p.arrival)
-                else:
-                    self._metrics.itl.observe(now - p.last)
+                (self._metrics.ttft if first else self._metrics.itl).observe(latency)
+            if recent is not None:
+                (recent.ttft if first else recent.itl).append((now, latency))
             p.last = now
         self._released, self._held_steps = len(self._pending), 0
         self._wake.set()

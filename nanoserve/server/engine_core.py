@@ -3,12 +3,14 @@ front end (`nanoserve.server.async_engine`). It runs on a thread of the server p
 process of its own, so that the engine's Python and the HTTP side's Python do not take turns on
 one interpreter lock (vLLM V1's split of its API server from its EngineCore).
 
-Protocol. The front end sends `Command`s: `AddRequest`, `AbortRequest`, and None to stop. The
-core sends `Ready` once the model is loaded, then one `Update` per iteration of its loop, and
-`Exited` last (also when loading fails). An iteration applies every command queued since the
-last one, runs one engine step if any request is unfinished, and reports both in one `Update`.
-The core blocks on the command source only while it holds no request, so it never spins idle and
-never waits for a command while it has work.
+Protocol. The front end sends `Command`s: `AddRequest`, `AbortRequest`, `WatchStats`, and None
+to stop. The core sends `Ready` once the model is loaded, then one `Update` per iteration of its
+loop, and `Exited` last (also when loading fails). An iteration applies every command queued since
+the last one, runs one engine step if any request is unfinished, and reports both in one `Update`.
+The core waits on the command source only while it holds no request, so it never spins idle and
+never waits for a command while it has work; while stats are watched (`WatchStats(True)`), an
+`Update` carries an `EngineStats` record at most every `STATS_INTERVAL_S`, and an idle core
+wakes up to send one that often. Unwatched, the engine records nothing for them.
 
 Failures. An exception in `add_request` fails that request only; an exception in `step` fails
 every request in flight (the batch is shared), after which the engine must hold no request and no
@@ -31,12 +33,14 @@ from multiprocessing.connection import Connection
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.outputs import EngineLimits, EngineSnapshot, SequenceDelta, StepOutput
+from nanoserve.engine.outputs import EngineLimits, EngineSnapshot, EngineStats, SequenceDelta, StepOutput
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.log import configure_logging
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.2  # the shortest time between two EngineStats records
 
 
 class EngineState(enum.Enum):
@@ -70,7 +74,14 @@ class AbortRequest:
     request_id: str
 
 
-Command = AddRequest | AbortRequest | None  # None stops the core
+@dataclass(slots=True)
+class WatchStats:
+    """Starts (on) or stops sending `EngineStats` records (the front end counts its watchers)."""
+
+    on: bool
+
+
+Command = AddRequest | AbortRequest | WatchStats | None  # None stops the core
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +97,8 @@ class Update:
     requests whose last output is in `deltas` (an aborted request is never reported).
     `scheduled`: requests that ran for the first time in this iteration's step, which began at
     `started` (time.monotonic, one clock for every process of the machine). `failed`: request id
-    -> why the engine refused or failed it; such a request is gone from the engine."""
+    -> why the engine refused or failed it; such a request is gone from the engine. `stats`: a
+    record of the engine's insides, while watched and due (see the module's docstring)."""
 
     snapshot: EngineSnapshot
     applied_adds: int = 0
@@ -95,6 +107,7 @@ class Update:
     scheduled: list[str] = dataclasses.field(default_factory=list)
     started: float = 0.0
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
+    stats: EngineStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,23 +119,26 @@ class Exited:
 
 
 Message = Ready | Update | Exited
-Receive = Callable[[bool], list[Command]]  # block: wait for at least one command
+Receive = Callable[[float | None], list[Command]]  # waits up to this long (None: however long) for one command
 Send = Callable[[Message], None]
 
 
 class EngineCore:
     """Drives one engine. It keeps one record per request in the engine: whether it has been
-    seen running yet (for `Update.scheduled`); the engine says when a request ends."""
+    seen running yet (for `Update.scheduled`); the engine says when a request ends. While stats
+    are watched, `_next_stats` is when the next record is due (time.monotonic)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._scheduled: dict[str, bool] = {}  # request id -> seen running; every request in the engine
+        self._watched = False
+        self._next_stats = 0.0
 
     def run(self, receive: Receive, send: Send) -> None:
         """Serves until a stop command. Raises if the engine is left broken by a failed step."""
         engine = self.engine
         while True:
-            commands = receive(not engine.has_unfinished())
+            commands = receive(0.0 if engine.has_unfinished() else self._idle_wait())
             failed: dict[str, str] = {}
             adds = self._apply(commands, failed)
             if None in commands:
@@ -140,7 +156,8 @@ class EngineCore:
             for rid in out.finished:
                 del self._scheduled[rid]
             scheduled = self._newly_scheduled()
-            send(Update(engine.snapshot(), adds, out.deltas, out.finished, scheduled, started, failed))
+            send(Update(engine.snapshot(), adds, out.deltas, out.finished, scheduled, started, failed,
+                        self._due_stats()))
 
     def abort_all(self) -> None:
         """Aborts every request in the engine and forgets it (at exit, and after a failed step)."""
@@ -164,7 +181,24 @@ class EngineCore:
             elif isinstance(cmd, AbortRequest):
                 self._scheduled.pop(cmd.request_id, None)
                 self.engine.abort(cmd.request_id)
+            elif isinstance(cmd, WatchStats):
+                self._watched = cmd.on
+                self.engine.record_steps(cmd.on)
+                self._next_stats = 0.0  # a new watcher gets a record at once
         return adds
+
+    def _idle_wait(self) -> float | None:
+        """How long an idle core may wait for a command: until the next record is due, if watched."""
+        return max(self._next_stats - time.monotonic(), 0.0) if self._watched else None
+
+    def _due_stats(self) -> EngineStats | None:
+        if not self._watched:
+            return None
+        now = time.monotonic()
+        if now < self._next_stats:
+            return None
+        self._next_stats = now + STATS_INTERVAL_S
+        return self.engine.stats()
 
     def _newly_scheduled(self) -> list[str]:
         scheduled = []
@@ -216,10 +250,10 @@ def run_core_process(args: EngineArgs, commands: Connection, outputs: Connection
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level)
 
-    def receive(block: bool) -> list[Command]:
+    def receive(timeout: float | None) -> list[Command]:
         received: list[Command] = []
         try:
-            if block:
+            if timeout != 0.0 and commands.poll(timeout):
                 received.append(commands.recv())
             while commands.poll():
                 received.append(commands.recv())

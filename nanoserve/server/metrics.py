@@ -3,13 +3,17 @@
 Two writers, both thread-safe through prometheus_client's locks: the engine thread publishes the
 engine's state after every iteration (`update_engine`: gauges set, counters advanced by the
 change since the previous snapshot), and the event loop records per-request latencies as outputs
-arrive (the histograms' `observe`, `record_finished`).
+arrive (the histograms' `observe`, `record_finished`). `LatencyWindow` keeps the recent samples
+themselves, for the dashboard's percentiles over time (event loop only).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
@@ -87,3 +91,20 @@ class Metrics:
         default, OpenMetrics on request), and its content type."""
         encode, content_type = choose_encoder(accept)
         return encode(self.registry), content_type
+
+
+class LatencyWindow:
+    """The latest TTFT and ITL samples as (time.monotonic when observed, seconds), each kind
+    bounded to `max_samples` (the oldest go first), for percentiles over a recent window."""
+
+    def __init__(self, max_samples: int = 4096) -> None:
+        self.ttft: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self.itl: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    @staticmethod
+    def percentiles(samples: deque[tuple[float, float]], since: float,
+                    qs: tuple[float, ...] = (50, 90, 99)) -> list[float] | None:
+        """The `qs` percentiles of the samples observed at or after `since`; None if none was.
+        Samples arrive in time order, so only the recent ones are read."""
+        recent = [v for _, v in itertools.takewhile(lambda s: s[0] >= since, reversed(samples))]
+        return [float(x) for x in np.percentile(recent, qs)] if recent else None
