@@ -10,7 +10,8 @@ last one, runs one engine step if any request is unfinished, and reports both in
 The core blocks on the command source only while it holds no request, so it never spins idle and
 never waits for a command while it has work.
 
-Failures. An exception in `add_request` fails that request only; an exception in `step` fails
+Failures. An exception in `add_request`, or a constraint the engine's compile threads could not
+compile (`StepOutput.failed`), fails that request only; an exception in `step` fails
 every request in flight (the batch is shared), after which the engine must hold no request and no
 block, or the loop raises and the core exits dead.
 """
@@ -139,6 +140,9 @@ class EngineCore:
                         raise RuntimeError("the engine still holds requests or blocks after a failed step") from e
             for rid in out.finished:
                 del self._scheduled[rid]
+            for rid, reason in out.failed.items():
+                del self._scheduled[rid]
+                failed[rid] = f"the engine refused the request: {reason}"
             scheduled = self._newly_scheduled()
             send(Update(engine.snapshot(), adds, out.deltas, out.finished, scheduled, started, failed))
 
