@@ -11,8 +11,9 @@ through a grammar: see `forced_tools`), the tools are rendered into the prompt b
 and each choice's content goes through the model's tool-call parser (`tool_parsers`): content chunks
 carry only the text outside calls; a call streams as OpenAI's do, a first chunk with its id and name,
 then chunks of argument text with the same `tool_calls[0].index` (counting the choice's calls); a
-choice that called tools ends with finish_reason "tool_calls" (unless it ran out of tokens). See
-`chat_output`.
+choice that called tools ends with finish_reason "tool_calls" (unless it ran out of tokens). With
+`parallel_tool_calls` false a choice returns its first call only (forced calls: the grammar
+allows one). See `chat_output`.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     await serving.grammars.check(tok, params, "tool_choice" if constraint is None else constraint[0])
     in_reasoning = reasoning is not None and starts_in_reasoning(
         reasoning, tok.decode(ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
-    output = ChatOutputFormat(tools, reasoning is not None, in_reasoning)
+    output = ChatOutputFormat(tools, reasoning is not None, in_reasoning, body.parallel_tool_calls is not False)
     stream = serving.submit([ids], params, body.priority or 0, "chatcmpl")
     if body.stream:
         events = _events(serving, stream, tok, params.n, body.include_usage, output)
