@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import tokenizers
@@ -172,3 +173,65 @@ def test_tool_call_after_reasoning(tool_server: tuple[str, FastAPI]) -> None:
     without_tools = client_of(tool_server).chat.completions.create(model=SERVED, messages=MESSAGES, temperature=0.0)  # type: ignore[arg-type]
     assert without_tools.choices[0].message.content == f"<tool_call>{''.join(CALL_PIECES)}</tool_call>"
     wait_idle(tool_server[1])
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"weather": {"enum": ["sunny", "rainy"]}}, "required": ["weather"],
+                 "additionalProperties": False}
+JSON_SCHEMA_FORMAT = {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": ANSWER_SCHEMA}}}
+
+
+@pytest.mark.parametrize("body", [JSON_SCHEMA_FORMAT, {"guided_choice": ["sunny", "rainy"]}])
+def test_structured_output_after_reasoning(server: tuple[str, FastAPI], body: dict[str, Any]) -> None:
+    """The model thinks (its think tags are added tokens) and the constraint applies to the
+    answer after `</think>`: the reasoning is the model's own, the content is constrained (the
+    model's own answer is not allowed, so the grammar picks it); streamed and not alike."""
+    def check(reasoning: Any, content: Any, finish: Any) -> None:
+        assert reasoning == REASONING and finish == "stop"
+        if "guided_choice" in body:
+            assert content in ("sunny", "rainy")
+        else:
+            jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
+
+    r = httpx.post(f"{server[0]}/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0.0, **body},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    check(choice["message"]["reasoning_content"], choice["message"]["content"], choice["finish_reason"])
+    reasoning, content, _, finish = streamed(server[0], {"temperature": 0.0, **body})
+    check(reasoning, content, finish)
+    assert content == choice["message"]["content"]
+    # Thinking switched off: the prompt closed the block, and the whole reply is the answer.
+    off = client_of(server).chat.completions.create(model=SERVED, messages=MESSAGES, temperature=0.0,  # type: ignore[arg-type]
+                                                    extra_body={**body, **NO_THINKING})
+    assert reasoning_of(off.choices[0].message) is None
+    check(REASONING, off.choices[0].message.content, off.choices[0].finish_reason)
+    wait_idle(server[1])
+
+
+@pytest.mark.parametrize("tags_are_tokens", [True, False])
+def test_reasoning_grammar_shapes(think_model: Path, demo_dir: Path, tags_are_tokens: bool) -> None:
+    """The wrapped grammar: a required block when the reply starts inside one, an optional one
+    when it may open one; think tags that are one token (the think model's) are matched by id,
+    others (the demo tokenizer's) as text."""
+    from nanoserve.engine.sampling_params import StructuredOutputs
+    from nanoserve.engine.structured import GrammarCompiler
+    from nanoserve.server.reasoning_grammar import after_reasoning
+
+    tok = Tokenizer.from_pretrained_dir(think_model if tags_are_tokens else demo_dir)
+    compiler = GrammarCompiler(tok)
+    spec = StructuredOutputs(json=ANSWER_SCHEMA)
+    answer = '{"weather": "rainy"}'
+    for in_reasoning, text, accepted in [
+        (True, f"{REASONING} and < more</think>\n\n{answer}", True),
+        (True, f"{REASONING}</think>{answer}", True),
+        (True, answer, False),  # the block is required
+        (False, f"<think>{REASONING}</think>\n\n{answer}", True),
+        (False, answer, True),
+        (False, f"{REASONING}{answer}", False),
+    ]:
+        wrapped = after_reasoning(spec, tok, in_reasoning)
+        assert wrapped.grammar is not None and ("<[" in wrapped.grammar) is tags_are_tokens
+        matcher = compiler.compile(wrapped).deep_copy()
+        ids = tok.encode(text, add_special_tokens=False)
+        ok = matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+        assert ok is accepted, (in_reasoning, text, wrapped.grammar)

@@ -198,6 +198,59 @@ def test_forced_tool_call(client: openai.OpenAI, choice: Any, stream: bool) -> N
         jsonschema.validate(json.loads(made[0]["arguments"]), schemas[made[0]["name"]])
 
 
+# A second call, written as one added token (every token of the chain has one successor, so the
+# second call cannot reuse the first one's tokens).
+SECOND_CALL = {"name": "get_time", "arguments": {"zone": "UTC"}}
+SECOND_CALL_TOKEN = f"\n<tool_call>{json.dumps(SECOND_CALL)}</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def two_calls_url(make_checkpoint: Callable[..., Path], demo_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A checkpoint that writes two calls, then `<|im_end|>`."""
+    pieces = ["<tool_call>", *CALL_PIECES, "</tool_call>", SECOND_CALL_TOKEN]
+    path = successor_checkpoint(make_checkpoint, demo_dir, tmp_path_factory.mktemp("two-calls") / "m", TEMPLATE,
+                                [tokenizers.AddedToken(t, normalized=False) for t in pieces])
+    tok = Tokenizer.from_pretrained_dir(path)
+    after_prompt = tok.encode_chat(MESSAGES)[-1]
+    set_successors(path, [[after_prompt, *(tok.backend.token_to_id(t) for t in [*pieces, "<|im_end|>"])]])
+    with serve(make_engine(path, max_model_len=512, num_kv_blocks=128)) as (url, app):
+        yield url
+        wait_idle(app)
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_with_tool_choice_auto(two_calls_url: str, parallel: bool | None, stream: bool) -> None:
+    """The model writes two calls: both are returned unless parallel_tool_calls is false, which
+    keeps the first (the second is neither a call nor content: the content stays empty); either way
+    the choice ends "tool_calls"."""
+    client = openai.OpenAI(base_url=f"{two_calls_url}/v1", api_key="unused", max_retries=0)
+    kwargs: Any = dict(model=SERVED, messages=MESSAGES, tools=BOUNDED_TOOLS, temperature=0.0)
+    if parallel is not None:
+        kwargs["parallel_tool_calls"] = parallel
+    if stream:
+        calls: dict[int, Any] = {}
+        content, finish = "", None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for c in delta.tool_calls or []:
+                entry = calls.setdefault(c.index, {"name": "", "arguments": ""})
+                entry["name"] += (c.function and c.function.name) or ""
+                entry["arguments"] += (c.function and c.function.arguments) or ""
+            finish = chunk.choices[0].finish_reason or finish
+        made = [calls[i] for i in sorted(calls)]
+    else:
+        r = client.chat.completions.create(**kwargs)
+        finish, content = r.choices[0].finish_reason, r.choices[0].message.content or ""
+        made = [{"name": c.function.name, "arguments": c.function.arguments}
+                for c in r.choices[0].message.tool_calls or []]
+    expected = [CALL] if parallel is False else [CALL, SECOND_CALL]
+    assert [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in made] == expected
+    assert finish == "tool_calls" and content == ""
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ({"tool_choice": "required", "tools": None}, "tool_choice"),

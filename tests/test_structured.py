@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from test_server_helpers import SERVED, make_engine, pace, serve, sse_payloads, 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import StructuredOutputs
+from nanoserve.engine.structured import GrammarCompiler, json_schema_source
 from nanoserve.server.errors import APIError
 from nanoserve.server.serving import GrammarGate
 from nanoserve.tokenizer import Tokenizer
@@ -189,6 +191,87 @@ def test_a_slow_compile_is_refused(demo_dir: Path) -> None:
     assert e.value.param == "response_format"
 
 
+def _slow_grammar(num_properties: int) -> str:
+    """A Lark grammar that takes long to compile (an embedded object schema of many optional
+    properties, whose compile grows faster than linearly) behind a branch that greedy decoding of
+    the demo model never takes: its greedy output is `{"ok": true}`."""
+    big = json_schema_source({"type": "object", "properties": {f"p{i}": {"type": "boolean"}
+                                                                for i in range(num_properties)}})
+    return f'start: "{{\\"ok\\": true}}" | big\nbig: "#" %json {json.dumps(big)}\n'
+
+
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"const": True}}, "required": ["ok"], "additionalProperties": False}
+
+
+def test_a_slow_compile_does_not_stall_other_requests(demo_dir: Path) -> None:
+    """The engine compiles on the compiler's threads: while a constraint that takes a long time
+    to compile (measured here first) compiles, an unconstrained request keeps getting a token
+    every step, and no step (nor add_request) takes more than a fraction of that compile; the
+    constrained request then runs and validates."""
+    spec = StructuredOutputs(grammar=_slow_grammar(3000))
+    engine = LLM(str(demo_dir), max_model_len=256, num_kv_blocks=96).engine
+    assert engine.tokenizer is not None
+    start = time.perf_counter()
+    GrammarCompiler(engine.tokenizer).compile(spec)  # another compiler: the engine's cache stays cold
+    compile_s = time.perf_counter() - start
+    assert compile_s > 0.2, "the grammar should be slow to compile"
+    ids = engine.tokenizer.encode("Give JSON:")
+    engine.add_request("free", ids, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    start = time.perf_counter()
+    engine.add_request("slow", ids, SamplingParams(max_tokens=16, temperature=0.0, structured=spec))
+    gaps, free_steps, text, finish = [time.perf_counter() - start], [], "", None
+    while not engine.started("slow"):
+        time.sleep(0.002)  # the rest of a serving loop's iteration
+        start = time.perf_counter()
+        out = engine.step()
+        gaps.append(time.perf_counter() - start)
+        free = [d for d in out.deltas if d.request_id == "free"]
+        free_steps.append(len(free[0].token_ids) if free else 0)
+        for d in out.deltas:
+            if d.request_id == "slow":
+                text, finish = text + d.text, d.finish_reason
+    while free_steps and not free_steps[-1]:  # steps after the free request ended
+        free_steps.pop()
+    assert len(free_steps) >= 10 and all(free_steps[:-1])  # while the grammar compiled, "free" ran every step
+    assert max(gaps) < compile_s / 3, (max(gaps), compile_s)
+    while finish is None:
+        for d in engine.step().deltas:
+            if d.request_id == "slow":
+                text, finish = text + d.text, d.finish_reason
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), OK_SCHEMA)
+    engine.abort("free")
+    assert engine.num_live_grammars == 0 and not engine.has_unfinished()
+
+
+def test_abort_and_failure_while_compiling(demo_dir: Path) -> None:
+    """A request aborted while its constraint compiles holds nothing; one whose constraint does
+    not compile fails alone (in a later step's `failed`), beside a request that runs on."""
+    engine = LLM(str(demo_dir), max_model_len=256, num_kv_blocks=96).engine
+    assert engine.tokenizer is not None
+    ids = engine.tokenizer.encode("hi")
+    engine.add_request("slow", ids, SamplingParams(max_tokens=8, structured=StructuredOutputs(
+        grammar=_slow_grammar(2000))))
+    assert engine.has_unfinished() and engine.snapshot().num_waiting == 1
+    assert engine.abort("slow")
+    assert not engine.has_unfinished() and engine.num_live_grammars == 0
+    engine.add_request("free", ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    bad = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "strng"}}})
+    engine.add_request("bad", ids, SamplingParams(max_tokens=8, structured=bad))
+    failed: dict[str, str] = {}
+    free_tokens = 0
+    while engine.has_unfinished():
+        out = engine.step()
+        failed |= out.failed
+        free_tokens += sum(len(d.token_ids) for d in out.deltas)
+        assert "bad" not in out.finished
+    assert list(failed) == ["bad"] and "the json constraint does not compile" in failed["bad"]
+    assert free_tokens == 40 and not engine.abort("bad")
+    assert engine.num_live_grammars == 0 and engine.kv_stats().blocks_used == 0
+
+
 # ---- over HTTP ----
 
 class Person(pydantic.BaseModel):
@@ -299,7 +382,6 @@ def test_streamed_equals_non_streamed(url: str) -> None:
 @pytest.mark.parametrize("parallel", [False, True])
 def test_parallel_tool_calls_in_the_grammar(demo_dir: Path, parallel: bool) -> None:
     """parallel_tool_calls false: the forced-call grammar takes exactly one call; true: several."""
-    from nanoserve.engine.structured import GrammarCompiler
     from nanoserve.server.forced_tools import forced_tool_calls
     from nanoserve.server.protocol import FunctionDefinition
     from nanoserve.server.tool_parsers import HermesParser

@@ -88,6 +88,9 @@ class LLM:
             self.engine.add_request(rid, ids, p, priority=prio)
             outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i) for i in range(p.n)])
         while self.engine.has_unfinished():
-            for delta in self.engine.step().deltas:
+            out = self.engine.step()
+            if out.failed:  # validate compiled every constraint: cannot happen
+                raise RuntimeError(f"the engine failed requests: {out.failed}")
+            for delta in out.deltas:
                 outputs[delta.request_id].accumulate(delta)
         return [outputs[rid] for rid, *_ in requests]

@@ -3,20 +3,25 @@
 `add_request` validates and queues; `step` runs scheduler -> runner -> sampler -> postprocess
 and returns what each sequence produced in that step and which requests ended in it; `abort`
 ends a request and frees its blocks at once. Single-threaded: the server drives it from one
-engine thread. Built by `nanoserve.engine.builder`, which sizes everything it is given; what
-leaves it is typed in `nanoserve.engine.outputs`, and front ends read its state through the
-read-only accessors below, never through the scheduler or the KV manager.
+engine thread. A request with a structured-output constraint not yet compiled waits outside the
+scheduler while the grammar compiler's threads compile it (vLLM's WAITING_FOR_FSM): the loop never
+compiles, and other requests keep stepping. Built by `nanoserve.engine.builder`, which sizes
+everything it is given; what leaves it is typed in `nanoserve.engine.outputs`, and front ends read
+its state through the read-only accessors below, never through the scheduler or the KV manager.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from nanoserve.engine.args import EngineArgs
@@ -47,6 +52,9 @@ log = logging.getLogger(__name__)
 STEP_RING = 256  # steps kept for `stats` between two records
 STATS_MAX_TREE_NODES = 512
 STATS_MAX_SEQS = 256  # of each queue
+# How long a step with nothing to schedule waits for a grammar being compiled before it returns
+# (and the caller looks at its commands again).
+COMPILE_WAIT_S = 0.02
 
 
 @dataclass(slots=True)
@@ -91,6 +99,9 @@ class LLMEngine:
         self.num_speculative_tokens = args.num_speculative_tokens
         self.spec_stats = SpecStats()
         self._groups: dict[str, _Group] = {}
+        # Requests whose constraint compiles: in _groups, their sequences not yet in the scheduler.
+        self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self._failed: dict[str, str] = {}  # requests failed since the last step's output
         self._arrivals = itertools.count()
         self._finished: list[str] = []  # requests whose last sequence ended in the current step
         # Prompt logprobs by sequence, filled by position (entry p: prompt token p + 1) until its first token.
@@ -136,7 +147,7 @@ class LLMEngine:
         return len(self._groups) - self.num_running
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._compiling)
 
     def started(self, request_id: str) -> bool:
         """Whether any sequence of the request has been admitted (False once it ended)."""
@@ -204,18 +215,27 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError, with the numbers, when a request can never run, and with the
-        compiler's message when its structured-output constraint does not compile."""
-        self.limits.validate(prompt_ids, params)
+        compiler's message when its structured-output constraint does not compile. Compiles on
+        the calling thread (and caches): for the offline API, never on a serving loop."""
+        self._check(prompt_ids, params)
         if params.structured is not None:
-            if self.grammars is None:
-                raise ValueError("structured output needs the model's tokenizer")
+            assert self.grammars is not None  # _check checked it
             self.grammars.compile(params.structured)
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.limits.validate(prompt_ids, params)
+        if params.structured is not None and self.grammars is None:
+            raise ValueError("structured output needs the model's tokenizer")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
+        """Queues a request; raises ValueError for one that can never run. A constraint is not
+        compiled here: one not in the compiler's cache compiles on its threads, and the request
+        waits unscheduled until it has (failing alone, in a later step's `failed`, if it does
+        not compile)."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_ids, params)
+        self._check(prompt_ids, params)
         if self.tokenizer is not None:
             resolve_bad_words(params, self.tokenizer)
         group = _Group([], [])
@@ -227,20 +247,52 @@ class LLMEngine:
             group.streams.append(None if self.tokenizer is None else TextStream(
                 self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens,
                 params.include_stop_str_in_output))
+        compiled = None
         if params.structured is not None:
-            assert self.grammars is not None  # validate checked it
-            for seq in group.sequences:
-                seq.grammar = self.grammars.matcher(params.structured)
-        for seq in group.sequences:  # only once every sequence was built: all or nothing
-            self.scheduler.add(seq)
+            assert self.grammars is not None  # _check checked it
+            compiled = self.grammars.compile_async(params.structured)
+            if compiled.done():
+                compiled.result()  # raises for a constraint that does not compile
         self._groups[request_id] = group
         self.num_prompt_tokens += len(prompt_ids)
+        if compiled is None or compiled.done():
+            self._schedule_group(group, compiled)
+        else:
+            self._compiling[request_id] = compiled
+
+    def _schedule_group(self, group: _Group, compiled: Future[llguidance.LLMatcher] | None) -> None:
+        """Gives each sequence its matcher (of a compiled grammar) and hands it to the scheduler."""
+        for seq in group.sequences:
+            if compiled is not None:
+                assert self.grammars is not None
+                seq.grammar = self.grammars.matcher(compiled.result())
+            self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> None:
+        """Schedules the requests whose constraint has compiled; fails those whose did not."""
+        for request_id, compiled in list(self._compiling.items()):
+            if not compiled.done():
+                continue
+            del self._compiling[request_id]
+            group = self._groups[request_id]
+            error = compiled.exception()
+            if error is None:
+                self._schedule_group(group, compiled)
+                continue
+            del self._groups[request_id]
+            self._failed[request_id] = str(error)
+            for seq in group.sequences:
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
 
     def abort(self, request_id: str) -> bool:
         """Ends every sequence of the request now and frees its blocks; False if unknown."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
+        if self._compiling.pop(request_id, None) is not None:  # the compile runs on, and is cached
+            for seq in group.sequences:
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+            return True
         for seq in group.sequences:
             self.scheduler.finish(seq, "abort")
             self._release_grammar(seq)
@@ -252,7 +304,14 @@ class LLMEngine:
 
     def step(self) -> StepOutput:
         """Runs one batched step; returns one delta per sequence that produced tokens or ended,
-        and the requests that ended in it (see `StepOutput`)."""
+        the requests that ended in it, and those whose constraint failed to compile (see
+        `StepOutput`). With nothing to schedule but constraints compiling, waits up to
+        `COMPILE_WAIT_S` for one of them first."""
+        self._admit_compiled()
+        if self._compiling and not self.scheduler.has_work:
+            concurrent.futures.wait(self._compiling.values(), COMPILE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+            self._admit_compiled()
+        failed, self._failed = self._failed, {}
         recording = self._steps is not None
         started = time.monotonic() if recording else 0.0
         plan = self.scheduler.schedule()
@@ -260,7 +319,7 @@ class LLMEngine:
             for seq in plan.preempted:
                 self.proposer.release(seq)
         if not plan.scheduled:
-            return StepOutput([])
+            return StepOutput([], failed=failed)
         composition = self._composition(plan) if recording else None
         result = self.runner.execute(plan)
         rejected = {}
@@ -296,7 +355,7 @@ class LLMEngine:
             end = time.monotonic()
             self._steps.append(StepRecord(end, end - started, len(plan.scheduled), *composition,
                                           self.scheduler.config.max_num_batched_tokens, len(plan.preempted)))
-        return StepOutput(deltas, finished)
+        return StepOutput(deltas, finished, failed)
 
     @staticmethod
     def _composition(plan: StepPlan) -> tuple[int, int, int]:

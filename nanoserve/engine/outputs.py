@@ -54,10 +54,13 @@ class StepOutput:
     """One engine step: a delta per sequence that produced tokens or ended, and the ids of the
     requests whose last sequence ended in this step. Each request is reported in `finished`
     exactly once, in the step that carries its last delta; an aborted request never is (its end
-    is the caller's own action)."""
+    is the caller's own action). `failed`: request id -> why, for requests the engine dropped
+    before they ran (a constraint that did not compile); such a request has no delta and is
+    never in `finished`."""
 
     deltas: list[SequenceDelta]
     finished: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class SequenceProgress(NamedTuple):

@@ -41,7 +41,8 @@ class Sequence:
     `draft` is None or holds at least one token; the scheduler cuts it to the step's budget
     (`Draft.truncate`) and drops it once the step that verifies it has run, or on preemption.
     `grammar` is the matcher of a constrained sequence (None otherwise, and once it has ended): its
-    state is always that after `output_token_ids`."""
+    state is always that after `output_token_ids`. A constrained sequence gets it before it enters
+    the scheduler (its constraint compiled), so a scheduled one never lacks it."""
 
     request_id: str
     prompt_token_ids: list[int]

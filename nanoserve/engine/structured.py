@@ -3,7 +3,9 @@ token trie; masks in microseconds, no torch dependency).
 
 A request's `StructuredOutputs` becomes an llguidance grammar (`grammar_source`); a
 `GrammarCompiler` compiles it once against the served tokenizer and keeps the compiled matcher as
-a prototype, so each sequence starts from a cheap copy (`GrammarMatcher`). Each step, the runner
+a prototype, so each sequence starts from a cheap copy (`GrammarMatcher`). The engine compiles on
+the compiler's worker threads (`compile_async`; llguidance releases the GIL while it compiles), so
+a constraint that is slow to compile never holds up the engine loop. Each step, the runner
 asks the constrained rows' matchers for their masks of allowed tokens (`GrammarCompiler.fill_masks`,
 one bit per token, packed 32 to an int32, filled by llguidance's thread pool) and the sampler sets
 every other logit to -inf (`unpack_bitmask`). A matcher advances with each token its sequence
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -108,16 +112,21 @@ class GrammarCompiler:
 
     The llguidance tokenizer is built on first use (a second or so for a 150K vocabulary).
     Compiled grammars are kept, least recently used first out, up to `cache_size`; a matcher is
-    a copy of its grammar's compiled prototype. EOS ids are the tokenizer's stop ids.
+    a copy of its grammar's compiled prototype. EOS ids are the tokenizer's stop ids. `compile`
+    may run on any thread (the cache and the tokenizer are behind a lock, never held while
+    compiling); matchers and masks belong to the engine thread.
     """
 
-    def __init__(self, tokenizer: Tokenizer, cache_size: int = 64) -> None:
+    def __init__(self, tokenizer: Tokenizer, cache_size: int = 64, num_workers: int = 2) -> None:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
+        self.num_workers = num_workers
         self.num_live = 0  # matchers handed out and not closed
+        self._lock = threading.Lock()
         self._lltokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
+        self._workers: ThreadPoolExecutor | None = None
 
     @property
     def executor(self) -> llguidance.LLExecutor:
@@ -127,26 +136,52 @@ class GrammarCompiler:
         return self._executor
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._lltokenizer is None:
-            eos = sorted(self.tokenizer.stop_token_ids)
-            self._lltokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(),
-                                                       n_vocab=self.tokenizer.vocab_size, eos_token=eos or None)
-        return self._lltokenizer
+        with self._lock:
+            if self._lltokenizer is None:
+                eos = sorted(self.tokenizer.stop_token_ids)
+                self._lltokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(),
+                                                           n_vocab=self.tokenizer.vocab_size, eos_token=eos or None)
+            return self._lltokenizer
 
     def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
-        """The compiled prototype of `spec` (from the cache when seen before). Raises ValueError,
-        with llguidance's message, for a constraint that does not compile."""
+        """The compiled prototype of `spec` (from the cache when seen before), compiled on the
+        calling thread. Raises ValueError, with llguidance's message, for a constraint that does
+        not compile."""
         source = grammar_source(spec)
-        proto = self._compiled.get(source)
-        if proto is None:
-            proto = llguidance.LLMatcher(self._llg_tokenizer(), source, log_level=0)
-            if proto.is_error():
-                raise ValueError(f"the {spec.kind} constraint does not compile: {proto.get_error()}")
+        return self._cached(source) or self._compile(spec.kind, source)
+
+    def compile_async(self, spec: StructuredOutputs) -> Future[llguidance.LLMatcher]:
+        """The compiled prototype of `spec`: a future already done when it is cached (or when
+        `grammar_source` fails), else one that `compile`s on one of the compiler's `num_workers`
+        threads (started on first use). A constraint that does not compile sets its ValueError."""
+        done: Future[llguidance.LLMatcher] = Future()
+        try:
+            source = grammar_source(spec)
+        except ValueError as e:
+            done.set_exception(e)
+            return done
+        if (proto := self._cached(source)) is not None:
+            done.set_result(proto)
+            return done
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(self.num_workers, thread_name_prefix="nanoserve-grammar")
+        return self._workers.submit(self._compile, spec.kind, source)
+
+    def _cached(self, source: str) -> llguidance.LLMatcher | None:
+        with self._lock:
+            proto = self._compiled.get(source)
+            if proto is not None:
+                self._compiled.move_to_end(source)
+            return proto
+
+    def _compile(self, kind: str, source: str) -> llguidance.LLMatcher:
+        proto = llguidance.LLMatcher(self._llg_tokenizer(), source, log_level=0)
+        if proto.is_error():
+            raise ValueError(f"the {kind} constraint does not compile: {proto.get_error()}")
+        with self._lock:
             self._compiled[source] = proto
             if len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(source)
         return proto
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
@@ -159,8 +194,9 @@ class GrammarCompiler:
                                               bitmask.data_ptr(), words * 4, len(matchers))
         return bitmask
 
-    def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
-        """A fresh matcher at the start of `spec`'s grammar; `close` it when its sequence ends."""
-        m = GrammarMatcher(self.compile(spec).deep_copy(), self)
+    def matcher(self, proto: llguidance.LLMatcher) -> GrammarMatcher:
+        """A fresh matcher at the start of a compiled grammar (`compile`'s prototype); `close` it
+        when its sequence ends."""
+        m = GrammarMatcher(proto.deep_copy(), self)
         self.num_live += 1
         return m

@@ -2,7 +2,9 @@
 
 The reasoning parser (if the model has one) sees the text first; the tool-call parser (if the
 request has tools) sees only the content after the reasoning. A non-streamed message is built by
-the same parsers fed the whole text, so it equals what the stream's deltas join to.
+the same parsers fed the whole text, so it equals what the stream's deltas join to. With
+`parallel_tool_calls` false a choice keeps only its first call: the text of any later call is
+dropped, from the calls and from the content alike.
 """
 
 from __future__ import annotations
@@ -25,15 +27,17 @@ class ChoiceDelta(NamedTuple):
 class ChatOutputFormat:
     """How one request's choices are parsed: `tools` makes a tool-call parser (None without
     tools), `reasoning` says whether a reasoning parser applies and `in_reasoning` whether the
-    reply starts inside its think block."""
+    reply starts inside its think block; `parallel_tool_calls` false keeps one call a choice."""
 
     tools: type[ToolCallParser] | None = None
     reasoning: bool = False
     in_reasoning: bool = False
+    parallel_tool_calls: bool = True
 
     def parser(self) -> ChoiceParser:
         return ChoiceParser(ThinkParser(self.in_reasoning) if self.reasoning else None,
-                            self.tools() if self.tools is not None else None)
+                            self.tools() if self.tools is not None else None,
+                            None if self.parallel_tool_calls else 1)
 
     def message(self, text: str) -> dict[str, Any]:
         """The `message` of a non-streamed choice with this text. Content is null when empty
@@ -55,8 +59,12 @@ class ChatOutputFormat:
 
 @dataclass(slots=True)
 class ChoiceParser:
+    """One choice's parsers. Invariant: every call delta it returns has index < `max_calls`
+    (None: no bound), and `num_calls` counts the calls it has returned."""
+
     think: ThinkParser | None
     tools: ToolCallParser | None
+    max_calls: int | None = None
     num_calls: int = 0
 
     def push(self, text: str) -> ChoiceDelta:
@@ -74,6 +82,8 @@ class ChoiceParser:
         if final:
             rest, more = self.tools.finish()
             content, calls = content + rest, calls + more
+        if self.max_calls is not None:
+            calls = [c for c in calls if c.index < self.max_calls]
         self.num_calls += sum(c.name is not None for c in calls)
         return ChoiceDelta(reasoning, content, calls)
 

@@ -12,7 +12,8 @@ never waits for a command while it has work; while stats are watched (`WatchStat
 `Update` carries an `EngineStats` record at most every `STATS_INTERVAL_S`, and an idle core
 wakes up to send one that often. Unwatched, the engine records nothing for them.
 
-Failures. An exception in `add_request` fails that request only; an exception in `step` fails
+Failures. An exception in `add_request`, or a constraint the engine's compile threads could not
+compile (`StepOutput.failed`), fails that request only; an exception in `step` fails
 every request in flight (the batch is shared), after which the engine must hold no request and no
 block, or the loop raises and the core exits dead.
 """
@@ -155,6 +156,9 @@ class EngineCore:
                         raise RuntimeError("the engine still holds requests or blocks after a failed step") from e
             for rid in out.finished:
                 del self._scheduled[rid]
+            for rid, reason in out.failed.items():
+                del self._scheduled[rid]
+                failed[rid] = f"the engine refused the request: {reason}"
             scheduled = self._newly_scheduled()
             send(Update(engine.snapshot(), adds, out.deltas, out.finished, scheduled, started, failed,
                         self._due_stats()))

@@ -53,6 +53,13 @@ def starts_in_reasoning(name: str, prompt_tail: str) -> bool:
     return name == "deepseek_r1"
 
 
+def closed_before_reply(prompt_tail: str) -> bool:
+    """Whether the prompt ends just after a closed think block (thinking switched off): the
+    reply is all content and opens no block."""
+    opened, closed = prompt_tail.rfind(START), prompt_tail.rfind(END)
+    return closed > opened and not prompt_tail[closed + len(END):].strip()
+
+
 class ThinkParser:
     """Splits one sequence's text deltas into reasoning and content."""
 

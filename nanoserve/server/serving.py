@@ -43,9 +43,10 @@ GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 class GrammarGate:
     """Compiles a request's output constraint in the front end before the request is queued: on a
     worker thread (never the event loop), within `timeout_s`, so that a constraint the engine
-    cannot compile, or one that takes too long, is a 400 before any stream starts, and the engine
-    loop only ever compiles constraints known to compile quickly (and caches them). A compile
-    that times out runs on in its thread until llguidance's own resource limits end it."""
+    cannot compile, or one that takes too long, is a 400 before any stream starts. The engine
+    compiles it again, on its compiler's threads, while the request waits unscheduled (see
+    `LLMEngine.add_request`). A compile that times out runs on in its thread until llguidance's
+    own resource limits end it."""
 
     timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
     compiler: GrammarCompiler | None = None

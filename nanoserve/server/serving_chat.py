@@ -6,13 +6,15 @@ choices and the usage; then [DONE]. An engine failure mid-stream is an error eve
 
 With a reasoning parser (`--reasoning-parser`, or read from the chat template), the text of the
 think block goes to `reasoning_content` (`delta.reasoning_content` in a stream), the rest to
-`content`. With `tools` (tool_choice "auto", or "required" or a named function, which force the call
-through a grammar: see `forced_tools`), the tools are rendered into the prompt by the chat template
-and each choice's content goes through the model's tool-call parser (`tool_parsers`): content chunks
-carry only the text outside calls; a call streams as OpenAI's do, a first chunk with its id and name,
-then chunks of argument text with the same `tool_calls[0].index` (counting the choice's calls); a
-choice that called tools ends with finish_reason "tool_calls" (unless it ran out of tokens). See
-`chat_output`.
+`content`, and an output constraint (response_format, guided_*, a forced tool call) applies to
+the answer after the think block (`reasoning_grammar`). With `tools` (tool_choice "auto", or
+"required" or a named function, which force the call through a grammar: see `forced_tools`), the
+tools are rendered into the prompt by the chat template and each choice's content goes through
+the model's tool-call parser (`tool_parsers`): content chunks carry only the text outside calls;
+a call streams as OpenAI's do, a first chunk with its id and name, then chunks of argument text
+with the same `tool_calls[0].index` (counting the choice's calls); a choice that called tools ends
+with finish_reason "tool_calls" (unless it ran out of tokens). With `parallel_tool_calls` false a
+choice returns its first call only (forced calls: the grammar allows one). See `chat_output`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from nanoserve.server.engine_core import EngineInfo
 from nanoserve.server.errors import APIError
 from nanoserve.server.forced_tools import forced_tool_calls
 from nanoserve.server.protocol import ChatCompletionRequest
-from nanoserve.server.reasoning_parsers import starts_in_reasoning
+from nanoserve.server.reasoning_grammar import after_reasoning
+from nanoserve.server.reasoning_parsers import closed_before_reply, starts_in_reasoning
 from nanoserve.server.serving import (
     ChoiceOutput,
     Serving,
@@ -88,10 +91,15 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
         params = dataclasses.replace(params, structured=forced_tool_calls(
             tools, forced, body.parallel_tool_calls is not False, tok))
     constraint = body.structured()
-    await serving.grammars.check(tok, params, "tool_choice" if constraint is None else constraint[0])
-    in_reasoning = reasoning is not None and starts_in_reasoning(
-        reasoning, tok.decode(ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
-    output = ChatOutputFormat(tools, reasoning is not None, in_reasoning)
+    param = "tool_choice" if constraint is None else constraint[0]
+    await serving.grammars.check(tok, params, param)
+    tail = tok.decode(ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    in_reasoning = reasoning is not None and starts_in_reasoning(reasoning, tail)
+    if reasoning is not None and params.structured is not None and not closed_before_reply(tail):
+        # the constraint applies to the answer after the think block
+        params = dataclasses.replace(params, structured=after_reasoning(params.structured, tok, in_reasoning))
+        await serving.grammars.check(tok, params, param)
+    output = ChatOutputFormat(tools, reasoning is not None, in_reasoning, body.parallel_tool_calls is not False)
     stream = serving.submit([ids], params, body.priority or 0, "chatcmpl")
     if body.stream:
         events = _events(serving, stream, tok, params.n, body.include_usage, output)
