@@ -251,11 +251,9 @@ class LLMEngine:
         if params.structured is not None:
             assert self.grammars is not None  # _check checked it
             compiled = self.grammars.compile_async(params.structured)
-            if compiled.done():
-                compiled.result()  # raises for a constraint that does not compile
         self._groups[request_id] = group
         self.num_prompt_tokens += len(prompt_ids)
-        if compiled is None or compiled.done():
+        if compiled is None or (compiled.done() and compiled.exception() is None):
             self._schedule_group(group, compiled)
         else:
             self._compiling[request_id] = compiled

@@ -151,16 +151,13 @@ class GrammarCompiler:
         return self._cached(source) or self._compile(spec.kind, source)
 
     def compile_async(self, spec: StructuredOutputs) -> Future[llguidance.LLMatcher]:
-        """The compiled prototype of `spec`: a future already done when it is cached (or when
-        `grammar_source` fails), else one that `compile`s on one of the compiler's `num_workers`
-        threads (started on first use). A constraint that does not compile sets its ValueError."""
-        done: Future[llguidance.LLMatcher] = Future()
-        try:
-            source = grammar_source(spec)
-        except ValueError as e:
-            done.set_exception(e)
-            return done
+        """The compiled prototype of `spec`: a future already done when it is cached, else one
+        that `compile`s on one of the compiler's `num_workers` threads (started on first use). A
+        constraint that does not compile sets its ValueError; one whose source cannot be made
+        (`grammar_source`) raises it here."""
+        source = grammar_source(spec)
         if (proto := self._cached(source)) is not None:
+            done: Future[llguidance.LLMatcher] = Future()
             done.set_result(proto)
             return done
         if self._workers is None:
