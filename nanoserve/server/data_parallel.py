@@ -1,0 +1,258 @@
+"""`nanoserve serve --data-parallel-size N`: N replicas of `nanoserve serve` behind sglang-router,
+started, watched and stopped by one process (the launcher).
+
+Layout (`DataParallelPlan`): the router answers on the user's host:port; replica i on
+127.0.0.1:port+1+i; the router's own Prometheus metrics on host:port+N+1. Cores: the launcher's
+CPU affinity is split into N contiguous groups, one per replica, each replica pinned to its group
+and running that many torch threads (OMP_NUM_THREADS), so replicas never compete for a core
+(with fewer cores than replicas, each gets one core, shared round-robin).
+
+Lifecycle (`serve_data_parallel`): the replicas start; the router starts once every replica
+answers /health with 200 and the launcher returns to waiting once the router has them all. On
+SIGINT or SIGTERM the router stops first (no new requests), then the replicas, which finish their
+in-flight requests within their own shutdown timeout. A replica that dies is logged and left out
+by the router's health checks, the others keep serving; the router dying ends the launcher (exit
+status 1). Every child runs in a session of its own (a terminal's Ctrl-C reaches the launcher only)
+and, on Linux, gets SIGTERM should the launcher die (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+import httpx
+
+from nanoserve.server.router import RouterConfig
+
+log = logging.getLogger(__name__)
+
+REPLICA_HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+
+
+def split_cpus(cpus: Sequence[int], n: int) -> tuple[tuple[int, ...], ...]:
+    """`cpus` in n contiguous groups whose sizes differ by at most one; with fewer cpus than n,
+    one cpu per group, the cpus reused in turn. Invariant: every group is non-empty."""
+    if n < 1:
+        raise ValueError(f"the data-parallel size must be at least 1, got {n}")
+    if not cpus:
+        raise ValueError("no CPU to run replicas on")
+    if len(cpus) < n:
+        return tuple((cpus[i % len(cpus)],) for i in range(n))
+    base, extra = divmod(len(cpus), n)
+    groups, start = [], 0
+    for i in range(n):
+        size = base + (i < extra)
+        groups.append(tuple(cpus[start:start + size]))
+        start += size
+    return tuple(groups)
+
+
+def available_cpus() -> list[int]:
+    """The cpus this process may run on (its affinity where the OS has one, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelPlan:
+    """Where everything listens and runs. Invariants: size >= 1; len(cpus) == size; every port
+    from port to port + size + 1 is a valid TCP port."""
+
+    host: str
+    port: int
+    size: int
+    policy: str
+    cpus: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {self.size}")
+        if len(self.cpus) != self.size:
+            raise ValueError(f"{self.size} replicas need {self.size} cpu groups, got {len(self.cpus)}")
+        if self.port <= 0 or self.metrics_port > 65535:
+            raise ValueError(f"--port {self.port} with {self.size} replicas needs ports {self.port} to "
+                             f"{self.metrics_port}; pick a port at most {65535 - self.size - 1}")
+
+    @classmethod
+    def for_cpus(cls, host: str, port: int, size: int, policy: str, cpus: Sequence[int]) -> DataParallelPlan:
+        return cls(host, port, size, policy, split_cpus(cpus, size))
+
+    @property
+    def replica_ports(self) -> tuple[int, ...]:
+        return tuple(range(self.port + 1, self.port + 1 + self.size))
+
+    @property
+    def replica_urls(self) -> tuple[str, ...]:
+        return tuple(f"http://{REPLICA_HOST}:{p}" for p in self.replica_ports)
+
+    @property
+    def local_url(self) -> str:
+        """The router's URL from this machine (a wildcard host reached through loopback)."""
+        host = {"0.0.0.0": REPLICA_HOST, "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int:
+        return self.port + self.size + 1
+
+    def check_ports_free(self) -> None:
+        """ValueError naming the first port of the layout that something already listens on
+        (bound as the servers bind, with SO_REUSEADDR: a closed connection's TIME_WAIT is no owner)."""
+        wanted = [(self.host, self.port), *((REPLICA_HOST, p) for p in self.replica_ports),
+                  (self.host, self.metrics_port)]
+        for host, port in wanted:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, port))
+                except OSError as e:
+                    raise ValueError(f"port {port} on {host} is not free ({e.strerror}); with --data-parallel-size "
+                                     f"{self.size} the router, replicas and router metrics use ports {self.port} "
+                                     f"to {self.metrics_port}: pick another --port") from e
+
+
+def spawn(cmd: list[str], cpus: tuple[int, ...] | None = None,
+          extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Starts `cmd` in a session of its own, pinned to `cpus` with as many OpenMP threads (None:
+    unpinned), with `extra_env` added to this process's environment, to receive SIGTERM if this
+    process dies (Linux)."""
+    env = {**os.environ, **(extra_env or {})}
+    if cpus is not None:
+        env["OMP_NUM_THREADS"] = str(len(cpus))
+    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_child_setup(cpus))
+
+
+def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
+    """What a child runs between fork and exec: its CPU pinning and its parent-death signal (libc
+    is loaded here, before the fork)."""
+    libc = ctypes.CDLL(None) if sys.platform == "linux" else None
+
+    def setup() -> None:
+        if cpus is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    return setup
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while the launcher was still starting things."""
+
+
+def wait_until(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout_s: float,
+               stopping: threading.Event) -> None:
+    """Polls `ready` until it is true; RuntimeError if `proc` exits or `timeout_s` passes first,
+    Interrupted once `stopping` is set. A transport error counts as not ready (not listening yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if stopping.is_set():
+            raise Interrupted
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode} before it was ready")
+        with contextlib.suppress(httpx.TransportError):
+            if ready():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} was not ready within {timeout_s:.0f} s")
+        stopping.wait(0.2)
+
+
+def healthy(url: str) -> bool:
+    return httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def router_ready(url: str, workers: int) -> bool:
+    """Whether the router at `url` counts `workers` healthy workers (its /readiness, which needs
+    no API key)."""
+    return bool(httpx.get(f"{url}/readiness", timeout=5).json().get("healthy_workers") == workers)
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """SIGTERM to each process still running, then SIGKILL to those not gone within `timeout_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop within %.0f s; killing it", p.pid, timeout_s)
+            p.kill()
+            p.wait()
+
+
+def serve_data_parallel(plan: DataParallelPlan, replica_command: Callable[[str, int], list[str]],
+                        shutdown_timeout_s: float, log_level: str, api_key: str | None = None,
+                        load_timeout_s: float = 1800.0) -> int:
+    """Runs the plan until SIGINT/SIGTERM (see the module docstring); `replica_command(host, port)`
+    is the command line of one replica; `api_key` is the replicas' (the router checks it too).
+    Returns the exit status: 0 after a signal, 1 when a replica fails to load or the router fails."""
+    plan.check_ports_free()
+    if log_level != "DEBUG":  # one line per health poll otherwise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    stopping = threading.Event()
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    replicas: list[subprocess.Popen[bytes]] = []
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        for port, cpus in zip(plan.replica_ports, plan.cpus, strict=True):
+            replicas.append(spawn(replica_command(REPLICA_HOST, port), cpus))
+            log.info("replica %d: http://%s:%d, pid %d, cpus %s", len(replicas) - 1, REPLICA_HOST, port,
+                     replicas[-1].pid, ",".join(map(str, cpus)))
+        for i, (url, proc) in enumerate(zip(plan.replica_urls, replicas, strict=True)):
+            wait_until(functools.partial(healthy, url), proc, f"replica {i} ({url})", load_timeout_s, stopping)
+        config = RouterConfig(plan.host, plan.port, plan.metrics_port, plan.replica_urls, plan.policy,
+                              shutdown_timeout_s, log_level, api_key)
+        router = spawn(config.command(), extra_env=config.env())
+        wait_until(functools.partial(router_ready, plan.local_url, plan.size), router, "the router", 60, stopping)
+        log.info("serving %d replicas behind sglang-router (%s) on http://%s:%d (router pid %d)", plan.size,
+                 plan.policy, plan.host, plan.port, router.pid)
+        return _supervise(router, replicas, stopping)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    except Interrupted:
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if router is not None:
+            stop([router], shutdown_timeout_s + 5)
+        stop(replicas, shutdown_timeout_s + 5)
+
+
+def _supervise(router: subprocess.Popen[bytes], replicas: list[subprocess.Popen[bytes]],
+               stopping: threading.Event) -> int:
+    """Waits for a signal (0) or the router's death (1), logging each replica that dies."""
+    reported: set[int] = set()
+    while not stopping.wait(0.5):
+        if router.poll() is not None:
+            log.error("the router exited with status %d; stopping the replicas", router.returncode)
+            return 1
+        for i, proc in enumerate(replicas):
+            if proc.poll() is not None and i not in reported:
+                reported.add(i)
+                log.warning("replica %d (pid %d) exited with status %d; the router routes around it", i, proc.pid,
+                            proc.returncode)
+    log.info("stopping the router, then the replicas")
+    return 0
