@@ -11,9 +11,10 @@ Lifecycle (`serve_data_parallel`): the replicas start; the router starts once ev
 answers /health with 200 and the launcher returns to waiting once the router has them all. On
 SIGINT or SIGTERM the router stops first (no new requests), then the replicas, which finish their
 in-flight requests within their own shutdown timeout. A replica that dies is logged and left out
-by the router's health checks, the others keep serving; the router dying ends the launcher (exit
-status 1). Every child runs in a session of its own (a terminal's Ctrl-C reaches the launcher only)
-and, on Linux, gets SIGTERM should the launcher die (PR_SET_PDEATHSIG).
+by the router's health checks, the others keep serving; the death of the router, or of every
+replica, ends the launcher (exit status 1). Every child runs in a session of its own (a terminal's
+Ctrl-C reaches the launcher only) and, on Linux, gets SIGTERM should the launcher die
+(PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -173,13 +174,16 @@ def wait_until(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: s
 
 
 def healthy(url: str) -> bool:
+    """Whether the server at `url` answers /health with 200 (its model is loaded)."""
     return httpx.get(f"{url}/health", timeout=5).status_code == 200
 
 
-def router_ready(url: str, workers: int) -> bool:
-    """Whether the router at `url` counts `workers` healthy workers (its /readiness, which needs
-    no API key)."""
-    return bool(httpx.get(f"{url}/readiness", timeout=5).json().get("healthy_workers") == workers)
+def router_has(url: str, workers: Sequence[str], api_key: str | None) -> bool:
+    """Whether the router at `url` lists every worker of `workers` as healthy (its /workers, which
+    answers 200 from the start, unlike /readiness, whose 503s it logs as errors)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    listed = httpx.get(f"{url}/workers", headers=headers, timeout=5).json().get("workers", [])
+    return {w.get("url") for w in listed if w.get("is_healthy")} >= set(workers)
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
@@ -224,7 +228,8 @@ def serve_data_parallel(plan: DataParallelPlan, replica_command: Callable[[str, 
         config = RouterConfig(plan.host, plan.port, plan.metrics_port, plan.replica_urls, plan.policy,
                               shutdown_timeout_s, log_level, api_key)
         router = spawn(config.command(), extra_env=config.env())
-        wait_until(functools.partial(router_ready, plan.local_url, plan.size), router, "the router", 60, stopping)
+        wait_until(functools.partial(router_has, plan.local_url, plan.replica_urls, api_key), router, "the router",
+                   60, stopping)
         log.info("serving %d replicas behind sglang-router (%s) on http://%s:%d (router pid %d)", plan.size,
                  plan.policy, plan.host, plan.port, router.pid)
         return _supervise(router, replicas, stopping)
@@ -243,7 +248,8 @@ def serve_data_parallel(plan: DataParallelPlan, replica_command: Callable[[str, 
 
 def _supervise(router: subprocess.Popen[bytes], replicas: list[subprocess.Popen[bytes]],
                stopping: threading.Event) -> int:
-    """Waits for a signal (0) or the router's death (1), logging each replica that dies."""
+    """Waits for a signal (0), or the death of the router or of every replica (1), logging each
+    replica that dies."""
     reported: set[int] = set()
     while not stopping.wait(0.5):
         if router.poll() is not None:
@@ -254,5 +260,8 @@ def _supervise(router: subprocess.Popen[bytes], replicas: list[subprocess.Popen[
                 reported.add(i)
                 log.warning("replica %d (pid %d) exited with status %d; the router routes around it", i, proc.pid,
                             proc.returncode)
+        if len(reported) == len(replicas):
+            log.error("every replica has exited; stopping the router")
+            return 1
     log.info("stopping the router, then the replicas")
     return 0

@@ -23,8 +23,9 @@ _KEY_VARIABLE = "NANOSERVE_ROUTER_API_KEY"
 # `ps` shows, only takes it as a flag).
 _LAUNCH = (f"import os, sys; from sglang_router.launch_router import main; key = os.environ.pop({_KEY_VARIABLE!r}, "
            "None); sys.argv += ['--api-key', key] if key else []; main()")
-# nanoserve's log levels -> the router's: it logs every request at info, so INFO maps to warn.
-_LOG_LEVELS = {"DEBUG": "info", "INFO": "warn", "WARNING": "warn", "ERROR": "error"}
+# nanoserve's log levels -> the router's: it logs every request at info and warns of what the launcher
+# reports itself (a replica gone) or what does not apply (no tokenizer for a model it only forwards to).
+_LOG_LEVELS = {"DEBUG": "info", "INFO": "error", "WARNING": "error", "ERROR": "error"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,7 @@ class RouterConfig:
                 "--policy", self.policy, "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
                 "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
                 "--health-success-threshold", "1", "--shutdown-grace-period-secs", str(round(self.shutdown_grace_s)),
-                "--log-level", _LOG_LEVELS.get(self.log_level, "warn")]
+                "--log-level", _LOG_LEVELS.get(self.log_level, "error")]
 
     def env(self) -> dict[str, str]:
         """Environment variables the command needs on top of this process's."""
