@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import pytest
 
 from nanoserve import cli
 from nanoserve.commands.serve import replica_argv
+from nanoserve.server import data_parallel
 from nanoserve.server.data_parallel import DataParallelPlan, split_cpus
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -258,3 +260,24 @@ def test_the_routers_extra_fields_are_accepted_at_their_defaults_only() -> None:
         with pytest.raises(APIError) as e:
             ChatCompletionRequest.model_validate({**chat, field: value}).sampling_params(4, None)
         assert e.value.param == field
+
+
+def _sleeper(seconds: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+@pytest.mark.parametrize(("router_s", "replica_s", "signalled", "status"), [
+    (60, 60, True, 0),  # a signal: exit 0
+    (0, 60, False, 1),  # the router died: exit 1
+    (60, 0, False, 1),  # every replica died: exit 1
+])
+def test_the_supervisor_ends_on_a_signal_or_when_serving_is_over(router_s: float, replica_s: float,
+                                                                   signalled: bool, status: int) -> None:
+    router, replicas = _sleeper(router_s), [_sleeper(replica_s), _sleeper(replica_s)]
+    stopping = threading.Event()
+    if signalled:
+        threading.Timer(0.5, stopping.set).start()
+    try:
+        assert data_parallel.supervise(router, replicas, stopping) == status
+    finally:
+        data_parallel.stop([router, *replicas], 5)

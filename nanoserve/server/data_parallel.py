@@ -232,7 +232,7 @@ def serve_data_parallel(plan: DataParallelPlan, replica_command: Callable[[str, 
                    60, stopping)
         log.info("serving %d replicas behind sglang-router (%s) on http://%s:%d (router pid %d)", plan.size,
                  plan.policy, plan.host, plan.port, router.pid)
-        return _supervise(router, replicas, stopping)
+        return supervise(router, replicas, stopping)
     except RuntimeError as e:
         log.error("%s", e)
         return 1
@@ -246,7 +246,7 @@ def serve_data_parallel(plan: DataParallelPlan, replica_command: Callable[[str, 
         stop(replicas, shutdown_timeout_s + 5)
 
 
-def _supervise(router: subprocess.Popen[bytes], replicas: list[subprocess.Popen[bytes]],
+def supervise(router: subprocess.Popen[bytes], replicas: list[subprocess.Popen[bytes]],
                stopping: threading.Event) -> int:
     """Waits for a signal (0), or the death of the router or of every replica (1), logging each
     replica that dies."""
