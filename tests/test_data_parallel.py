@@ -153,6 +153,8 @@ def test_cache_aware_routing_finds_each_system_prompt_cached(demo_dir: Path, tmp
     with launched(demo_dir, tmp_path, "cache_aware", api_key="sk-dp") as up:
         aware, aware_lookups = _hit_rates(up)
         _check_the_api_key(up)
+        models = httpx.get(f"{up.url}/v1/models", headers=up.headers).json()["data"]
+        assert [m["id"] for m in models] == ["nanoserve-demo"]  # learnt from the replicas' /server_info
     with launched(demo_dir, tmp_path, "round_robin") as up:
         robin, robin_lookups = _hit_rates(up)
     assert all(n > 0 for n in aware_lookups + robin_lookups), (aware_lookups, robin_lookups)
