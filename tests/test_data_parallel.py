@@ -133,22 +133,25 @@ def _system_prompts(groups: int) -> list[str]:
 
 
 def _hit_rates(up: Launched) -> tuple[float, list[float]]:
-    """Sends 6 rounds of 3 requests, one per group of requests sharing a system prompt, each
-    round's 3 at once; returns the replicas' pooled prefix-cache hit rate and each one's lookups."""
+    """Sends 6 rounds of 3 requests, one per group of requests sharing a system prompt; a round's
+    requests start 50 ms apart, in the same order every round, and overlap (64 tokens each).
+    Returns the replicas' pooled prefix-cache hit rate and each one's lookups."""
     systems = _system_prompts(3)
     with concurrent.futures.ThreadPoolExecutor(len(systems)) as pool:
         for q in range(6):
-            n = len(systems)
-            codes = pool.map(_chat, [up] * n, systems, [f"question {q}: what is {q} plus {q}?"] * n, [16] * n)
-            assert list(codes) == [200] * len(systems)
+            running = []
+            for system in systems:
+                running.append(pool.submit(_chat, up, system, f"question {q}: what is {q} plus {q}?", 64))
+                time.sleep(0.05)
+            assert [f.result() for f in running] == [200] * len(systems)
     counters = [_prefix_counters(u) for u in up.replicas]
     return sum(h for _, h in counters) / sum(q for q, _ in counters), [q for q, _ in counters]
 
 
 def test_cache_aware_routing_finds_each_system_prompt_cached(demo_dir: Path, tmp_path: Path) -> None:
-    """Round robin sends a group's requests to either replica (3 groups, 2 replicas), so each
-    group's system prompt is computed on both; cache_aware keeps a group on the replica that has
-    its prompt (a new prompt goes to the least loaded one, so both replicas get work). Ideal hit
+    """Round robin sends a group's requests to the two replicas in turn (3 groups, 2 replicas), so
+    each group's system prompt is computed on both; cache_aware keeps a group on the replica that
+    has its prompt (a new prompt goes to the least loaded one, so both replicas get work). Hit
     rates: 5 of a group's 6 prompts cached under cache_aware, 4 of 6 under round robin."""
     with launched(demo_dir, tmp_path, "cache_aware", api_key="sk-dp") as up:
         aware, aware_lookups = _hit_rates(up)
