@@ -214,6 +214,8 @@ def test_the_port_layout_and_its_limits() -> None:
     assert plan.metrics_port == 8003 and plan.local_url == "http://127.0.0.1:8000"
     with pytest.raises(ValueError, match="pick a port at most 65532"):
         DataParallelPlan.for_cpus("127.0.0.1", 65534, 2, "cache_aware", [0, 1])
+    with pytest.raises(ValueError, match="a port of 1 or more"):
+        DataParallelPlan.for_cpus("127.0.0.1", 0, 2, "cache_aware", [0, 1])
 
 
 @pytest.mark.parametrize("size", ["0", "-2"])

@@ -85,7 +85,10 @@ class DataParallelPlan:
             raise ValueError(f"--data-parallel-size must be at least 1, got {self.size}")
         if len(self.cpus) != self.size:
             raise ValueError(f"{self.size} replicas need {self.size} cpu groups, got {len(self.cpus)}")
-        if self.port <= 0 or self.metrics_port > 65535:
+        if self.port < 1:
+            raise ValueError(f"--data-parallel-size needs a port of 1 or more (the replicas take the ports after it), "
+                             f"got --port {self.port}")
+        if self.metrics_port > 65535:
             raise ValueError(f"--port {self.port} with {self.size} replicas needs ports {self.port} to "
                              f"{self.metrics_port}; pick a port at most {65535 - self.size - 1}")
 
