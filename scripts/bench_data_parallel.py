@@ -5,11 +5,11 @@ Each setup is started, loaded with `nanoserve bench serve` (fixed concurrency, s
 outputs of fixed length), and stopped before the next, so they never share the machine; the
 rounds repeat the setups in turn (ABCABC) to spread the machine's drift. The load client runs on
 the same cores as the servers (on a 2-core machine it competes with them: the figures are what a
-client on the box sees). Prints the machine's CPU, each run, and per setup the median output tok/s
-and its ratio to one replica on one core.
+client on the box sees). Prints the machine's CPU, each run, and per setup the median output tok/s,
+its ratio to the first setup's, the median TTFT and the prefix-cache hit rate.
 
 Usage: python scripts/bench_data_parallel.py [MODEL] [--rounds 2] [--num-prompts 64] [--concurrency 16]
-       [--input-len 64 256] [--output-len 64] [--workload random|shared-prefix] [--json out.json]
+       [--input-len 64 256] [--output-len 64] [--workload random|shared-prefix] [--setups ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import httpx
 
 from nanoserve.server.data_parallel import available_cpus, spawn, stop
 
-SETUPS = ("1 replica, 1 core", "1 replica, 2 cores", "DP=2, 1 core each")
+SETUPS = ("1 replica, 1 core", "1 replica, 2 cores", "DP=2, 1 core each", "DP=2, 1 core each, round robin")
 
 
 def cpu_name() -> str:
@@ -64,10 +64,12 @@ def server(setup: str, model: list[str]) -> Iterator[str]:
     port = free_port(4)
     serve = [sys.executable, "-m", "nanoserve.cli", "--log-level", "WARNING", "serve", *model, "--port", str(port),
              "--served-model-name", "bench"]
+    no_key = {"NANOSERVE_API_KEY": ""}
     if setup.startswith("DP"):
-        proc = spawn([*serve, "--data-parallel-size", "2"], extra_env={"NANOSERVE_API_KEY": ""})
+        policy = "round_robin" if setup.endswith("round robin") else "cache_aware"
+        proc = spawn([*serve, "--data-parallel-size", "2", "--router-policy", policy], extra_env=no_key)
     else:
-        proc = spawn(serve, tuple(cpus[:1] if "1 core" in setup else cpus[:2]), {"NANOSERVE_API_KEY": ""})
+        proc = spawn(serve, tuple(cpus[:1] if "1 core" in setup else cpus[:2]), no_key)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -107,25 +109,29 @@ def main() -> int:
     p.add_argument("--input-len", type=int, nargs=2, default=(64, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
+    p.add_argument("--setups", nargs="+", choices=SETUPS, default=SETUPS[:3], help="what to compare (the first is "
+                   "the baseline of the ratios; the DP setups route cache_aware unless named round robin)")
     p.add_argument("--json", type=Path, help="also write every run as JSON")
     ns = p.parse_args()
     print(f"CPU: {cpu_name()}; load average before: {os.getloadavg()[0]:.2f}", flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SETUPS}
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in ns.setups}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(ns.rounds):
-            for setup in SETUPS:
+            for setup in ns.setups:
                 with server(setup, [ns.model] if ns.model else []) as url:
                     run = load(url, setup, ns, Path(tmp) / "run.json")
                 runs[setup].append(run)
                 print(f"round {r + 1}, {setup}: {run['output_tokens_per_s']:.1f} output tok/s, TTFT p50 "
                       f"{run['ttft_ms']['p50']:.0f} ms, {run['completed']} ok / {run['failed']} failed", flush=True)
-    base = statistics.median(x["output_tokens_per_s"] for x in runs[SETUPS[0]])
-    print(f"\n| setup | output tok/s (median of {ns.rounds}) | vs 1 replica, 1 core | TTFT p50 ms (median) |")
-    print("|---|---|---|---|")
+    base = statistics.median(x["output_tokens_per_s"] for x in runs[ns.setups[0]])
+    print(f"\n| setup | output tok/s (median of {ns.rounds}) | vs {ns.setups[0]} | TTFT p50 ms (median) "
+          "| prefix hit % |")
+    print("|---|---|---|---|---|")
     for setup, xs in runs.items():
         tps = statistics.median(x["output_tokens_per_s"] for x in xs)
         ttft = statistics.median(x["ttft_ms"]["p50"] for x in xs)
-        print(f"| {setup} | {tps:.1f} | {tps / base:.2f}x | {ttft:.0f} |")
+        hits = statistics.median(x["prefix_hit_rate"] for x in xs)
+        print(f"| {setup} | {tps:.1f} | {tps / base:.2f}x | {ttft:.0f} | {100 * hits:.1f} |")
     if ns.json:
         ns.json.write_text(json.dumps({"cpu": cpu_name(), "args": vars(ns) | {"json": str(ns.json)}, "runs": runs},
                                       indent=1))
