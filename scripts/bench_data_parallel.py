@@ -30,7 +30,8 @@ from typing import Any
 
 import httpx
 
-from nanoserve.server.data_parallel import available_cpus, spawn, stop
+from nanoserve.server.data_parallel import available_cpus
+from nanoserve.server.processes import spawn, stop
 
 SETUPS = ("1 replica, 1 core", "1 replica, 2 cores", "DP=2, 1 core each", "DP=2, 1 core each, round robin")
 

@@ -24,7 +24,7 @@ import pytest
 
 from nanoserve import cli
 from nanoserve.commands.serve import replica_argv
-from nanoserve.server import data_parallel
+from nanoserve.server import data_parallel, processes
 from nanoserve.server.data_parallel import DataParallelPlan, split_cpus
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -287,4 +287,4 @@ def test_the_supervisor_ends_on_a_signal_or_when_serving_is_over(router_s: float
     try:
         assert data_parallel.supervise(router, replicas, stopping) == status
     finally:
-        data_parallel.stop([router, *replicas], 5)
+        processes.stop([router, *replicas], 5)

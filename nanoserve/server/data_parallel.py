@@ -19,29 +19,25 @@ Ctrl-C reaches the launcher only) and, on Linux, gets SIGTERM should the launche
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
 import httpx
 
+from nanoserve.server.processes import Interrupted, spawn, stop, wait_until
 from nanoserve.server.router import RouterConfig
 
 log = logging.getLogger(__name__)
 
 REPLICA_HOST = "127.0.0.1"
-_PR_SET_PDEATHSIG = 1
 
 
 def split_cpus(cpus: Sequence[int], n: int) -> tuple[tuple[int, ...], ...]:
@@ -130,52 +126,6 @@ class DataParallelPlan:
                                      f"to {self.metrics_port}: pick another --port") from e
 
 
-def spawn(cmd: list[str], cpus: tuple[int, ...] | None = None,
-          extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Starts `cmd` in a session of its own, pinned to `cpus` with as many OpenMP threads (None:
-    unpinned), with `extra_env` added to this process's environment, to receive SIGTERM if this
-    process dies (Linux)."""
-    env = {**os.environ, **(extra_env or {})}
-    if cpus is not None:
-        env["OMP_NUM_THREADS"] = str(len(cpus))
-    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_child_setup(cpus))
-
-
-def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
-    """What a child runs between fork and exec: its CPU pinning and its parent-death signal (libc
-    is loaded here, before the fork)."""
-    libc = ctypes.CDLL(None) if sys.platform == "linux" else None
-
-    def setup() -> None:
-        if cpus is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cpus)
-        if libc is not None:
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    return setup
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived while the launcher was still starting things."""
-
-
-def wait_until(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout_s: float,
-               stopping: threading.Event) -> None:
-    """Polls `ready` until it is true; RuntimeError if `proc` exits or `timeout_s` passes first,
-    Interrupted once `stopping` is set. A transport error counts as not ready (not listening yet)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if stopping.is_set():
-            raise Interrupted
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before it was ready")
-        with contextlib.suppress(httpx.TransportError):
-            if ready():
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} was not ready within {timeout_s:.0f} s")
-        stopping.wait(0.2)
-
-
 def healthy(url: str) -> bool:
     """Whether the server at `url` answers /health with 200 (its model is loaded)."""
     return httpx.get(f"{url}/health", timeout=5).status_code == 200
@@ -187,21 +137,6 @@ def router_has(url: str, workers: Sequence[str], api_key: str | None) -> bool:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     listed = httpx.get(f"{url}/workers", headers=headers, timeout=5).json().get("workers", [])
     return {w.get("url") for w in listed if w.get("is_healthy")} >= set(workers)
-
-
-def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    """SIGTERM to each process still running, then SIGKILL to those not gone within `timeout_s`."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("pid %d did not stop within %.0f s; killing it", p.pid, timeout_s)
-            p.kill()
-            p.wait()
 
 
 def serve_data_parallel(plan: DataParallelPlan, replica_command: Callable[[str, int], list[str]],
