@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
@@ -16,9 +17,11 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
+from nanoserve.server.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
 from nanoserve.server.engine_core import EngineState
 from nanoserve.server.launcher import serve_until_signal
 from nanoserve.server.reasoning_parsers import REASONING_PARSER_NAMES
+from nanoserve.server.router import ROUTER_POLICIES, require_router
 from nanoserve.server.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.tool_parsers import PARSER_NAMES
 
@@ -55,11 +58,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine in a process of its own (default: the HTTP side and the engine then do not "
                         "share one interpreter lock) or on a thread of the server process")
+    scale = p.add_argument_group("data parallel (docs/scale_out.md)")
+    scale.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="run N replicas (on 127.0.0.1, ports PORT+1..PORT+N, the cores split between them) "
+                            "behind sglang-router on --host/--port; its metrics on PORT+N+1")
+    scale.add_argument("--router-policy", choices=ROUTER_POLICIES, default="cache_aware",
+                       help="with --data-parallel-size > 1: cache_aware (a request goes to the replica that has "
+                            "most of its prefix cached) or round_robin")
     add_engine_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, serve_parser=p)
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.data_parallel_size != 1:
+        return _run_data_parallel(ns)
     args = engine_args_from(ns)
     name = ns.served_model_name or ns.model or DEMO_MODEL_NAME
 
@@ -84,3 +96,41 @@ def run(ns: argparse.Namespace) -> int:
         print(f"nanoserve: error: loading the model failed: {front.error}", file=sys.stderr)
         return 1
     return 0
+
+
+# Flags of the launcher itself, never passed on to a replica (each gets its own host and port).
+_LAUNCHER_ONLY = frozenset({"host", "port", "data_parallel_size", "router_policy", "help"})
+
+
+def _run_data_parallel(ns: argparse.Namespace) -> int:
+    """`serve --data-parallel-size N`: the replicas, each `nanoserve serve` with this command's
+    other flags, behind the router (nanoserve.server.data_parallel)."""
+    plan = DataParallelPlan.for_cpus(ns.host, ns.port, ns.data_parallel_size, ns.router_policy, available_cpus())
+    require_router()
+    flags = replica_argv(ns.serve_parser, ns)
+
+    def replica_command(host: str, port: int) -> list[str]:
+        return [sys.executable, "-m", "nanoserve.cli", "--log-level", ns.log_level, "serve", *flags,
+                "--host", host, "--port", str(port)]
+
+    return serve_data_parallel(plan, replica_command, ns.shutdown_timeout, ns.log_level, ns.api_key)
+
+
+def replica_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
+    """Arguments that `parser` parses back to the values of `ns` (those of the launcher-only flags
+    aside): the positional model first, then every option whose value is not its default."""
+    out: list[str] = []
+    positional: list[str] = []
+    for action in parser._actions:
+        value: Any = getattr(ns, action.dest, None)
+        if action.dest in _LAUNCHER_ONLY or value == action.default:
+            continue
+        if not action.option_strings:
+            positional.append(str(value))
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            out.append(action.option_strings[0] if value else action.option_strings[1])
+        elif isinstance(value, list):
+            out.extend([action.option_strings[0], *map(str, value)])
+        else:
+            out.extend([action.option_strings[0], str(value)])
+    return positional + out

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, /health, /metrics, /tokenize, /detokenize, auth and errors.
+"""The FastAPI app: OpenAI routes, /health, /metrics, /tokenize, /detokenize, /server_info, auth and
+errors.
 
 `build_app` is the only way to get an app; everything the routes share (the engine core's front
 end, metrics registry, model name) lives in the app it builds, never at module level. The engine
@@ -174,6 +175,12 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        """SGLang's server metadata, from which sglang-router learns the served model's name. No
+        `model_path`: the router would try to fetch a tokenizer from it (a hub download)."""
+        return JSONResponse({"served_model_name": serving.model_name, "is_generation": True})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import keyword
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -175,6 +175,12 @@ class _SamplingRequest(BaseModel):
     # `metadata` (tags for stored completions) has nothing to tag.
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    # SGLang's extras, which sglang-router (see `nanoserve serve --data-parallel-size`) writes into
+    # every request it forwards: accepted at the values in ROUTER_DEFAULTS only, which are what
+    # nanoserve does anyway; any other value is a 400 naming the field.
+    no_stop_trim: bool | None = None
+    return_hidden_states: bool | None = None
+    ROUTER_DEFAULTS: ClassVar[dict[str, bool]] = {"no_stop_trim": False, "return_hidden_states": False}
 
     @property
     def include_usage(self) -> bool:
@@ -211,6 +217,9 @@ class _SamplingRequest(BaseModel):
         the request leaves unset; a value out of range is a 400 naming its field."""
         if self.store:
             raise APIError(400, "store is not supported: nanoserve stores no completions", param="store")
+        for name, default in self.ROUTER_DEFAULTS.items():
+            if getattr(self, name) not in (None, default):
+                raise APIError(400, f"{name} is supported only as {str(default).lower()}", param=name)
         given = {k: v for k, v in self.model_dump(include=set(_SAMPLING_FIELDS)).items() if v is not None}
         if self.logit_bias is not None:
             given["logit_bias"] = _token_bias(self.logit_bias)
@@ -243,6 +252,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    ROUTER_DEFAULTS: ClassVar[dict[str, bool]] = {**_SamplingRequest.ROUTER_DEFAULTS, "continue_final_message": False,
+                                                  "separate_reasoning": True, "stream_reasoning": True}
 
     def template_kwargs(self) -> dict[str, Any]:
         """Extra variables for the chat template (e.g. `enable_thinking`): JSON values under names
