@@ -19,6 +19,6 @@ serve: setup
 	$(BIN)/nanoserve serve $(ARGS)
 
 test: setup
-	$(BIN)/ruff check nanoserve tests
+	$(BIN)/ruff check nanoserve tests scripts
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
