@@ -1,0 +1,106 @@
+"""The process group of a tensor-parallel model: rendezvous and the three collectives Megatron-style
+sharding needs (all-reduce, all-gather, broadcast from rank 0).
+
+Ranks meet torchrun's way: rank 0 hosts a `TCPStore` at MASTER_ADDR:MASTER_PORT and every rank
+joins a gloo (CPU) or NCCL (CUDA) process group through it. The group is an object the model and
+the runner hold, never torch.distributed's global default group, so an engine can be built, closed
+and built again in one process (tests do).
+
+Invariant: every rank calls the same collectives in the same order on tensors of the same shape
+and dtype; a rank that stops doing so (it died, or raised mid-step) makes the others' next
+collective fail, after `timeout` at the latest: the group is then unusable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+
+# A worker waits this long for rank 0's next step: as good as forever (an idle server sends
+# none), since a rank 0 that dies closes its sockets, which ends the wait at once.
+IDLE_WAIT = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where the ranks meet: rank 0's store address and port, and the group's size."""
+
+    master_addr: str
+    master_port: int
+    world_size: int
+
+    @classmethod
+    def from_env(cls, world_size: int, nnodes: int) -> Rendezvous:
+        """MASTER_ADDR and MASTER_PORT as torchrun sets them; on one node they default to the
+        loopback address and a free port. Several nodes need both set (the same on every node)."""
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if nnodes > 1 and (addr is None or port is None):
+            raise ValueError("tensor parallelism over several nodes needs MASTER_ADDR and MASTER_PORT set on each")
+        return cls(addr or "127.0.0.1", int(port) if port else _free_port(), world_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Collectives(Protocol):
+    """The collectives of a c10d backend (ProcessGroupGloo, ProcessGroupNCCL) used here; torch binds
+    them on every backend, but its type stubs declare them on ProcessGroup only."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> dist.Work: ...
+
+
+class TensorParallelGroup:
+    """One rank's handle on the group. `timeout` bounds every collective but the workers' wait
+    for the next step (`broadcast(..., idle=True)`)."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, device: torch.device, timeout_s: float) -> None:
+        """Joins the group: blocks until all `world_size` ranks have (or `timeout_s` passes)."""
+        self.rank = rank
+        self.world_size = rendezvous.world_size
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        # Rank 0 waits for the others to load their shards, which takes longer than a collective.
+        join = max(self.timeout, datetime.timedelta(minutes=10))
+        self._store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, self.world_size, rank == 0,
+                                    timeout=join)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            backend: object = dist.ProcessGroupNCCL(self._store, rank, self.world_size, options)
+        else:
+            backend = dist.ProcessGroupGloo(self._store, rank, self.world_size, self.timeout)
+        self._group = cast(Collectives, backend)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums `t` over the ranks, in place; returns it."""
+        self._group.allreduce([t]).wait()
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` [rows, cols] side by side: [rows, world_size * cols], rank 0's first."""
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._group.allgather([parts], [t.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, t: torch.Tensor, idle: bool = False) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape), in place; `idle` (a worker waiting for
+        the next step) waits without a time limit."""
+        self._group.broadcast(t, 0, IDLE_WAIT if idle else self.timeout).wait()
+        return t
