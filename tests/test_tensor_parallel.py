@@ -4,6 +4,7 @@ through a real server under concurrent requests; a killed worker rank fails requ
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -47,6 +48,20 @@ def _greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
 
 
+def _live_workers() -> list[int]:
+    """The pids of this process's children that run a worker rank and have not exited."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if int(ppid) == os.getpid() and state != "Z" and b"nanoserve.parallel" in command:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 def test_shard_config_needs_heads_that_divide(make_checkpoint: Callable[..., Path]) -> None:
     cfg = load_model(make_checkpoint("mistral"), dtype="float32").config  # 4 query heads, 1 KV head
     with pytest.raises(ValueError, match="num_key_value_heads=1"):
@@ -55,6 +70,13 @@ def test_shard_config_needs_heads_that_divide(make_checkpoint: Callable[..., Pat
     half = shard_config(llama, 2)
     assert (half.num_attention_heads, half.num_key_value_heads, half.intermediate_size) == (2, 1, 64)
     assert half.vocab_size == -(-llama.vocab_size // 2)
+
+
+def test_a_model_that_does_not_split_fails_the_build(make_checkpoint: Callable[..., Path]) -> None:
+    """Every rank refuses a model with one KV head, and no worker is left running."""
+    with pytest.raises(ValueError, match="must divide num_key_value_heads=1"):
+        build_engine(EngineArgs(model=str(make_checkpoint("mistral")), dtype="float32", tensor_parallel_size=2))
+    assert not _live_workers()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -71,8 +93,10 @@ def test_tp2_greedy_equals_tp1(make_checkpoint: Callable[..., Path], family: str
         again = llm.generate(prompts, GREEDY)  # the prompts' blocks now come from the prefix cache
         assert [list(o.outputs[0].token_ids) for o in again] == expected
         assert all(o.num_cached_tokens > 0 for o in again[:3])
+        assert _live_workers()
     finally:
         llm.engine.close()
+    assert not _live_workers()
 
 
 def test_tp2_speculative_decoding_keeps_greedy_output(make_checkpoint: Callable[..., Path]) -> None:

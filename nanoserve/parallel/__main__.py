@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from nanoserve.engine.args import EngineArgs
@@ -23,6 +24,10 @@ def main() -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--engine-args", required=True, help="EngineArgs as a JSON object")
     ns = parser.parse_args()
+    # Like the engine core: a terminal's Ctrl-C reaches the whole process group, and rank 0, which
+    # lets requests in flight finish first, ends the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(ns.log_level)
     args = EngineArgs(**json.loads(ns.engine_args))
     try:

@@ -16,12 +16,17 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
+JOIN_TIMEOUT = datetime.timedelta(minutes=10)
+JOINED_KEY = "nanoserve/joined"  # counts the ranks other than 0 that have joined
+GO_KEY = "nanoserve/go"  # set by rank 0 once every rank has
 # A worker waits this long for rank 0's next step: as good as forever (an idle server sends
 # none), since a rank 0 that dies closes its sockets, which ends the wait at once.
 IDLE_WAIT = datetime.timedelta(days=365)
@@ -42,10 +47,10 @@ class Rendezvous:
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if nnodes > 1 and (addr is None or port is None):
             raise ValueError("tensor parallelism over several nodes needs MASTER_ADDR and MASTER_PORT set on each")
-        return cls(addr or "127.0.0.1", int(port) if port else _free_port(), world_size)
+        return cls(addr or "127.0.0.1", int(port) if port else free_port(), world_size)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -66,16 +71,31 @@ class TensorParallelGroup:
     """One rank's handle on the group. `timeout` bounds every collective but the workers' wait
     for the next step (`broadcast(..., idle=True)`)."""
 
-    def __init__(self, rendezvous: Rendezvous, rank: int, device: torch.device, timeout_s: float) -> None:
-        """Joins the group: blocks until all `world_size` ranks have (or `timeout_s` passes)."""
+    def __init__(self, rendezvous: Rendezvous, rank: int, device: torch.device, timeout_s: float,
+                 peers_alive: Callable[[], None] | None = None) -> None:
+        """Joins the group: blocks until all `world_size` ranks have, up to `JOIN_TIMEOUT` (ranks
+        load their model first, some slower than others). Rank 0 counts the others in, calling
+        `peers_alive` (which raises for a peer known to be gone) while it waits, then lets them
+        go; only then does any rank set up the backend, whose own waits are bounded by `timeout_s`."""
         self.rank = rank
         self.world_size = rendezvous.world_size
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        # Rank 0 waits for the others to load their shards, which takes longer than a collective.
-        join = max(self.timeout, datetime.timedelta(minutes=10))
+        join = max(self.timeout, JOIN_TIMEOUT)
         self._store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, self.world_size, rank == 0,
-                                    timeout=join)
+                                    timeout=join, wait_for_workers=False)
+        if rank:  # then waits for rank 0's word that every rank is here, so that none waits long below
+            self._store.add(JOINED_KEY, 1)
+            self._store.wait([GO_KEY])
+        else:
+            deadline = time.monotonic() + join.total_seconds()
+            while self._store.add(JOINED_KEY, 0) < self.world_size - 1:
+                if peers_alive is not None:
+                    peers_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel ranks did not all join within {join}")
+                time.sleep(0.05)
+            self._store.set(GO_KEY, "1")
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout

@@ -46,10 +46,21 @@ class TensorParallelLaunch:
     def shard(self, loaded: LoadedModel, device: torch.device) -> LoadedModel:
         """Joins the group (waiting for every rank) and swaps the loaded model for shard 0; the
         config stays the whole model's."""
-        group = TensorParallelGroup(self.rendezvous, 0, device, self.args.distributed_timeout)
+        try:
+            group = TensorParallelGroup(self.rendezvous, 0, device, self.args.distributed_timeout,
+                                        self._workers_alive)
+            shard = shard_model(loaded.model, group)
+        except BaseException:
+            self.workers.stop()  # a worker fails the same way, or is left waiting for rank 0
+            raise
         log.info("tensor parallel: %d ranks over %s; the native whole-decoder path and CUDA graphs are off",
                  group.world_size, group.backend)
-        return loaded._replace(model=shard_model(loaded.model, group))
+        return loaded._replace(model=shard)
+
+
+    def _workers_alive(self) -> None:
+        if (dead := self.workers.dead()) is not None:
+            raise RuntimeError(f"{_died(*dead)} before joining the group; its log says why")
 
 
 class TensorParallelRunner(ModelRunner):

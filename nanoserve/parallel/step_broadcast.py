@@ -53,7 +53,7 @@ def send_setup(group: TensorParallelGroup, setup: Setup) -> None:
 
 
 def receive_setup(group: TensorParallelGroup) -> Setup:
-    t = group.broadcast(torch.empty(len(Setup._fields), dtype=torch.int64, device=group.device), idle=True)
+    t = group.broadcast(torch.empty(len(Setup._fields), dtype=torch.int64, device=group.device))
     return Setup(*t.tolist())
 
 

@@ -101,11 +101,13 @@ class WorkerRanks:
             time.sleep(0.01)
         return found
 
-    def stop(self) -> None:
-        """Waits for the workers to exit (after a stop message), killing those that do not."""
+    def stop(self, grace_s: float = STOP_TIMEOUT_S) -> None:
+        """Waits up to `grace_s` for the workers to exit (after a stop message), then kills those
+        that have not."""
+        deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             try:
-                process.wait(STOP_TIMEOUT_S)
+                process.wait(max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

@@ -1,0 +1,148 @@
+"""Tensor parallelism on this machine: engine step time at TP=1 and TP=2, and what the collectives
+of a TP=2 step cost on their own.
+
+Steps: one prefill of `--prefill` tokens, and decode steps of each batch size of `--batches`
+(the median of the steps in which every sequence decodes). TP=1 runs with all the cores as torch
+threads; TP=2 gives each rank its share (the cores / 2). The collectives are timed in two
+processes of their own (gloo, one thread each): per step a TP=2 forward makes 2 all-reduces per
+layer (after o_proj and down_proj) and one for the vocab-parallel embedding, all of
+[tokens, hidden], one all-gather of the logits rows' vocab shards, and rank 0's two broadcasts of
+the batch (a header and the payload: a few hundred bytes, timed as one all-reduce of 64 int64).
+
+    python scripts/bench_tensor_parallel.py                       # Qwen3-0.6B shape, random bf16 weights
+    python scripts/bench_tensor_parallel.py --override num_hidden_layers=4 --batches 1 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from nanoserve.bench.shapes import parse_overrides, shape_checkpoint
+from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.builder import build_engine
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.model.config import ModelConfig
+from nanoserve.parallel.group import Rendezvous, TensorParallelGroup, free_port
+
+
+def step_times(engine: LLMEngine, prompt_len: int, batch: int, steps: int) -> list[float]:
+    """Seconds of each engine step in which all `batch` sequences decode."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{batch}-{i}", [(7 * i + j) % 200 + 10 for j in range(prompt_len)], params)
+    times = []
+    while engine.has_unfinished():
+        decoding = engine.num_decoding_seqs() == batch
+        start = time.perf_counter()
+        engine.step()
+        if decoding:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def prefill_time(engine: LLMEngine, prompt_len: int, reps: int) -> float:
+    """Median seconds of one step prefilling a `prompt_len`-token prompt (no prefix-cache hit)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for r in range(reps):
+        engine.add_request(f"p{r}", [(r * 31 + j) % 200 + 10 for j in range(prompt_len)], params)
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        while engine.has_unfinished():
+            engine.step()
+    return statistics.median(times)
+
+
+def measure_engine(path: Path, tp: int, batches: list[int], prefill: int, steps: int) -> dict[str, float]:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    engine = build_engine(EngineArgs(model=str(path), tensor_parallel_size=tp, max_model_len=2048,
+                                     max_num_batched_tokens=max(prefill, 256), enable_prefix_caching=False,
+                                     num_kv_blocks=max(batches) * 8 + prefill // 16 + 8))
+    try:
+        out = {"prefill": prefill_time(engine, prefill, 3)}
+        for b in batches:
+            out[f"decode b={b}"] = statistics.median(step_times(engine, 16, b, steps))
+        return out
+    finally:
+        engine.close()
+
+
+def _collectives(rank: int, port: int, cfg: ModelConfig, dtype: torch.dtype, sizes: list[int],
+                 reps: int, results: multiprocessing.Queue) -> None:
+    torch.set_num_threads(1)
+    group = TensorParallelGroup(Rendezvous("127.0.0.1", port, 2), rank, torch.device("cpu"), 60.0)
+    out: dict[str, float] = {}
+    for n in sizes:
+        for name, make, op in (
+            ("all_reduce", lambda n=n: torch.randn(n, cfg.hidden_size).to(dtype), group.all_reduce),
+            ("all_gather", lambda n=n: torch.randn(n, -(-cfg.vocab_size // 2)), group.all_gather),
+            ("broadcast", lambda: torch.zeros(64, dtype=torch.int64), group.broadcast),
+        ):
+            t = make()
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                op(t)
+                times.append(time.perf_counter() - start)
+            out[f"{name} n={n}"] = statistics.median(times)
+    if rank == 0:
+        results.put(out)
+
+
+def measure_collectives(cfg: ModelConfig, dtype: torch.dtype, sizes: list[int], reps: int) -> dict[str, float]:
+    ctx = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_collectives, args=(r, port, cfg, dtype, sizes, reps, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out: dict[str, float] = results.get(timeout=600)
+    for p in procs:
+        p.join()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=16)
+    ns = parser.parse_args()
+    path = shape_checkpoint(ns.shape, parse_overrides(ns.override))
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
+    engines = {tp: measure_engine(path, tp, ns.batches, ns.prefill, ns.steps) for tp in (1, 2)}
+    from nanoserve.model import load_model  # the config and dtype the engines ran
+
+    loaded = load_model(path)
+    cfg, dtype = loaded.config, loaded.model.dtype
+    del loaded
+    comm = measure_collectives(cfg, dtype, sorted({1, *ns.batches, ns.prefill}), 50)
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; {ns.shape} {ns.override or ''} "
+          f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {str(dtype).removeprefix('torch.')})")
+    print(f"{'step':<14}{'TP=1 ms':>9}{'TP=2 ms':>9}{'TP2/TP1':>9}{'collectives ms':>16}{'share of TP=2':>15}")
+    for name, t1 in engines[1].items():
+        t2 = engines[2][name]
+        n = ns.prefill if name == "prefill" else int(name.split("=")[1])
+        rows = 1 if name == "prefill" else n  # logits rows: the prefill's last token, one per decode
+        collective = ((2 * cfg.num_hidden_layers + 1) * comm[f"all_reduce n={n}"] + comm[f"all_gather n={rows}"]
+                      + 2 * comm["broadcast n=1"])
+        print(f"{name:<14}{t1 * 1e3:>9.1f}{t2 * 1e3:>9.1f}{t2 / t1:>9.2f}{collective * 1e3:>16.2f}"
+              f"{collective / t2:>15.0%}")
+    print("one collective alone (us): " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in comm.items()))
+
+
+if __name__ == "__main__":
+    main()
