@@ -2,8 +2,10 @@
 of a TP=2 step cost on their own.
 
 Steps: one prefill of `--prefill` tokens, and decode steps of each batch size of `--batches`
-(the median of the steps in which every sequence decodes). TP=1 runs with all the cores as torch
-threads; TP=2 gives each rank its share (the cores / 2). The collectives are timed in two
+(the median of the steps in which every sequence decodes). TP=1 runs twice, with all the cores as
+torch threads and with one (on a loaded machine, threads that wait for each other at every
+parallel region can lose far more than the second core gives); TP=2 gives each rank its share
+(the cores / 2). The collectives are timed in two
 processes of their own (gloo, one thread each): per step a TP=2 forward makes 2 all-reduces per
 layer (after o_proj and down_proj) and one for the vocab-parallel embedding, all of
 [tokens, hidden], one all-gather of the logits rows' vocab shards, and rank 0's two broadcasts of
@@ -21,6 +23,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,8 +66,9 @@ def prefill_time(engine: LLMEngine, prompt_len: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure_engine(path: Path, tp: int, batches: list[int], prefill: int, steps: int) -> dict[str, float]:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+def measure_engine(path: Path, tp: int, threads: int, batches: list[int], prefill: int,
+                   steps: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
     engine = build_engine(EngineArgs(model=str(path), tensor_parallel_size=tp, max_model_len=2048,
                                      max_num_batched_tokens=max(prefill, 256), enable_prefix_caching=False,
                                      num_kv_blocks=max(batches) * 8 + prefill // 16 + 8))
@@ -77,33 +81,33 @@ def measure_engine(path: Path, tp: int, batches: list[int], prefill: int, steps:
         engine.close()
 
 
-def _collectives(rank: int, port: int, cfg: ModelConfig, dtype: torch.dtype, sizes: list[int],
+def _collectives(rank: int, port: int, cfg: ModelConfig, dtype: torch.dtype, tokens: list[int], rows: list[int],
                  reps: int, results: multiprocessing.Queue) -> None:
     torch.set_num_threads(1)
     group = TensorParallelGroup(Rendezvous("127.0.0.1", port, 2), rank, torch.device("cpu"), 60.0)
+    cases: list[tuple[str, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = [
+        ("broadcast", torch.zeros(64, dtype=torch.int64), group.broadcast)]
+    cases += [(f"all_reduce n={n}", torch.randn(n, cfg.hidden_size).to(dtype), group.all_reduce) for n in tokens]
+    cases += [(f"all_gather n={n}", torch.randn(n, -(-cfg.vocab_size // 2)), group.all_gather) for n in rows]
     out: dict[str, float] = {}
-    for n in sizes:
-        for name, make, op in (
-            ("all_reduce", lambda n=n: torch.randn(n, cfg.hidden_size).to(dtype), group.all_reduce),
-            ("all_gather", lambda n=n: torch.randn(n, -(-cfg.vocab_size // 2)), group.all_gather),
-            ("broadcast", lambda: torch.zeros(64, dtype=torch.int64), group.broadcast),
-        ):
-            t = make()
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                op(t)
-                times.append(time.perf_counter() - start)
-            out[f"{name} n={n}"] = statistics.median(times)
+    for name, t, op in cases:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            op(t)
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
     if rank == 0:
         results.put(out)
 
 
-def measure_collectives(cfg: ModelConfig, dtype: torch.dtype, sizes: list[int], reps: int) -> dict[str, float]:
+def measure_collectives(cfg: ModelConfig, dtype: torch.dtype, tokens: list[int], rows: list[int],
+                        reps: int) -> dict[str, float]:
     ctx = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_collectives, args=(r, port, cfg, dtype, sizes, reps, results)) for r in range(2)]
+    procs = [ctx.Process(target=_collectives, args=(r, port, cfg, dtype, tokens, rows, reps, results))
+             for r in range(2)]
     for p in procs:
         p.start()
     out: dict[str, float] = results.get(timeout=600)
@@ -118,29 +122,36 @@ def main() -> None:
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prefill", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
     ns = parser.parse_args()
     path = shape_checkpoint(ns.shape, parse_overrides(ns.override))
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
-    engines = {tp: measure_engine(path, tp, ns.batches, ns.prefill, ns.steps) for tp in (1, 2)}
+    cores = os.cpu_count() or 1
+    half = max(1, cores // 2)
+    runs = {f"TP=1 x{cores}": (1, cores), "TP=1 x1": (1, 1), f"TP=2 x{half}": (2, half)}
+    engines = {name: measure_engine(path, tp, threads, ns.batches, ns.prefill, ns.steps)
+               for name, (tp, threads) in runs.items()}
     from nanoserve.model import load_model  # the config and dtype the engines ran
 
     loaded = load_model(path)
     cfg, dtype = loaded.config, loaded.model.dtype
     del loaded
-    comm = measure_collectives(cfg, dtype, sorted({1, *ns.batches, ns.prefill}), 50)
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; {ns.shape} {ns.override or ''} "
-          f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {str(dtype).removeprefix('torch.')})")
-    print(f"{'step':<14}{'TP=1 ms':>9}{'TP=2 ms':>9}{'TP2/TP1':>9}{'collectives ms':>16}{'share of TP=2':>15}")
-    for name, t1 in engines[1].items():
-        t2 = engines[2][name]
-        n = ns.prefill if name == "prefill" else int(name.split("=")[1])
-        rows = 1 if name == "prefill" else n  # logits rows: the prefill's last token, one per decode
+    comm = measure_collectives(cfg, dtype, sorted({1, *ns.batches, ns.prefill}), sorted({1, *ns.batches}), 50)
+    print(f"CPU: {cpu}, {cores} cores; {ns.shape} {' '.join(ns.override)} "
+          f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {str(dtype).removeprefix('torch.')}); "
+          "ms per step (xN: torch threads per rank)")
+    names = list(runs)
+    print(f"{'step':<14}" + "".join(f"{n:>11}" for n in names) + f"{'TP2/best TP1':>14}{'collectives':>13}"
+          f"{'of TP=2 step':>14}")
+    for step, t2 in engines[names[2]].items():
+        n = ns.prefill if step == "prefill" else int(step.split("=")[1])
+        rows = 1 if step == "prefill" else n  # logits rows: the prefill's last token, one per decode
         collective = ((2 * cfg.num_hidden_layers + 1) * comm[f"all_reduce n={n}"] + comm[f"all_gather n={rows}"]
-                      + 2 * comm["broadcast n=1"])
-        print(f"{name:<14}{t1 * 1e3:>9.1f}{t2 * 1e3:>9.1f}{t2 / t1:>9.2f}{collective * 1e3:>16.2f}"
-              f"{collective / t2:>15.0%}")
+                      + 2 * comm["broadcast"])
+        best = min(engines[names[0]][step], engines[names[1]][step])
+        print(f"{step:<14}" + "".join(f"{engines[name][step] * 1e3:>11.1f}" for name in names)
+              + f"{t2 / best:>14.2f}{collective * 1e3:>13.2f}{collective / t2:>14.0%}")
     print("one collective alone (us): " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in comm.items()))
 
 

@@ -38,6 +38,8 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     """Loads the model (unless given) and the draft model (if any), and sizes the engine for them.
     With `tensor_parallel_size` > 1 the worker ranks start first, the model is sharded, and the
     draft model (if any) runs whole on rank 0."""
+    if args.tensor_parallel_size > 1 and loaded is not None:
+        raise ValueError("with tensor_parallel_size > 1 every rank loads args.model itself; pass no loaded model")
     launch = TensorParallelLaunch(args) if args.tensor_parallel_size > 1 else None
     if loaded is None:
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)

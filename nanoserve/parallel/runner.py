@@ -15,6 +15,7 @@ stuck one after `distributed_timeout` seconds.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -64,7 +65,10 @@ class TensorParallelLaunch:
 
 
 class TensorParallelRunner(ModelRunner):
-    """A `ModelRunner` over shard 0 whose forward pass is the group's (see the module docstring)."""
+    """A `ModelRunner` over shard 0 whose forward pass is the group's (see the module docstring).
+    `failure` is None while the group works, else why it does not; the workers are stopped when
+    it fails, when the runner is closed, and at the latest when it is collected or the
+    interpreter exits."""
 
     model: TensorParallelCausalLM
 
@@ -77,10 +81,11 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
         self.failure: str | None = None
         send_setup(self.group, Setup(num_blocks, block_size))
+        self._stop_workers = weakref.finalize(self, _stop_workers, self.group, workers)
 
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, PreparedBatch]:
         if self.failure is None and (dead := self.workers.dead()) is not None:
-            self.failure = _died(*dead)
+            self._fail(_died(*dead))
         if self.failure is not None:
             raise RunnerFailure(self.failure)
         batch = prepare_batch(plan, self.block_size, self.device)
@@ -90,18 +95,29 @@ class TensorParallelRunner(ModelRunner):
             logits = self.model.compute_logits(hidden[batch.logits_rows])
         except Exception as e:
             dead = self.workers.wait_dead(DEATH_GRACE_S)
-            self.failure = _died(*dead) if dead is not None else f"a tensor-parallel step failed: {e}"
-            raise RunnerFailure(self.failure) from e
+            why = _died(*dead) if dead is not None else f"a tensor-parallel step failed: {e}"
+            self._fail(why)
+            raise RunnerFailure(why) from e
         return logits, batch
 
     def close(self) -> None:
-        """Stops the workers: a stop message while the group works, then each process's exit."""
-        if self.failure is None and self.workers.dead() is None:
-            try:
-                send_stop(self.group)
-            except RuntimeError:
-                log.warning("could not send the workers a stop; ending them")
-        self.workers.stop()
+        """Stops the workers (idempotent): a stop message while the group works, then each one's exit."""
+        self._stop_workers()
+
+    def _fail(self, why: str) -> None:
+        """Records the failure and ends the workers still running: the group is broken for good."""
+        log.error("%s; the engine is dead", why)
+        self.failure = why
+        self.workers.stop(grace_s=0.0)
+
+
+def _stop_workers(group: TensorParallelGroup, workers: WorkerRanks) -> None:
+    if workers.dead() is None:
+        try:
+            send_stop(group)
+        except RuntimeError:
+            log.warning("could not send the workers a stop; ending them")
+    workers.stop()
 
 
 def _died(rank: int, code: int) -> str:

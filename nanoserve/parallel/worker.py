@@ -47,6 +47,8 @@ def run_worker(args: EngineArgs, rendezvous: Rendezvous, rank: int) -> None:
     device = rank_device(args.device, rank, per_node)
     if device.type == "cpu":  # the node's cores are shared by its ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    else:
+        torch.cuda.set_device(device)
     loaded = load_model(args.model, dtype=args.dtype, device=device)
     loaded.model.ops = select_layer_ops(args.attention_backend, device, loaded.model.dtype)
     group = TensorParallelGroup(rendezvous, rank, device, args.distributed_timeout)
