@@ -8,8 +8,8 @@ parallel region can lose far more than the second core gives); TP=2 gives each r
 (the cores / 2). The collectives are timed in two
 processes of their own (gloo, one thread each): per step a TP=2 forward makes 2 all-reduces per
 layer (after o_proj and down_proj) and one for the vocab-parallel embedding, all of
-[tokens, hidden], one all-gather of the logits rows' vocab shards, and rank 0's two broadcasts of
-the batch (a header and the payload: a few hundred bytes, timed as one all-reduce of 64 int64).
+[tokens, hidden], one gather to rank 0 of the logits rows' vocab shards, and rank 0's two
+broadcasts of the batch (a header and the payload: a few hundred bytes, timed as 64 int64).
 
     python scripts/bench_tensor_parallel.py                       # Qwen3-0.6B shape, random bf16 weights
     python scripts/bench_tensor_parallel.py --override num_hidden_layers=4 --batches 1 4
@@ -85,10 +85,15 @@ def _collectives(rank: int, port: int, cfg: ModelConfig, dtype: torch.dtype, tok
                  reps: int, results: multiprocessing.Queue) -> None:
     torch.set_num_threads(1)
     group = TensorParallelGroup(Rendezvous("127.0.0.1", port, 2), rank, torch.device("cpu"), 60.0)
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        group.gather(t)
+        return t
+
     cases: list[tuple[str, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = [
         ("broadcast", torch.zeros(64, dtype=torch.int64), group.broadcast)]
     cases += [(f"all_reduce n={n}", torch.randn(n, cfg.hidden_size).to(dtype), group.all_reduce) for n in tokens]
-    cases += [(f"all_gather n={n}", torch.randn(n, -(-cfg.vocab_size // 2)), group.all_gather) for n in rows]
+    cases += [(f"gather n={n}", torch.randn(n, -(-cfg.vocab_size // 2)).to(dtype), gather) for n in rows]
     out: dict[str, float] = {}
     for name, t, op in cases:
         times = []
@@ -147,7 +152,7 @@ def main() -> None:
     for step, t2 in engines[names[2]].items():
         n = ns.prefill if step == "prefill" else int(step.split("=")[1])
         rows = 1 if step == "prefill" else n  # logits rows: the prefill's last token, one per decode
-        collective = ((2 * cfg.num_hidden_layers + 1) * comm[f"all_reduce n={n}"] + comm[f"all_gather n={rows}"]
+        collective = ((2 * cfg.num_hidden_layers + 1) * comm[f"all_reduce n={n}"] + comm[f"gather n={rows}"]
                       + 2 * comm["broadcast"])
         best = min(engines[names[0]][step], engines[names[1]][step])
         print(f"{step:<14}" + "".join(f"{engines[name][step] * 1e3:>11.1f}" for name in names)

@@ -1,5 +1,5 @@
 """The process group of a tensor-parallel model: rendezvous and the three collectives Megatron-style
-sharding needs (all-reduce, all-gather, broadcast from rank 0).
+sharding needs (all-reduce, gather to rank 0, broadcast from rank 0).
 
 Ranks meet torchrun's way: rank 0 hosts a `TCPStore` at MASTER_ADDR:MASTER_PORT and every rank
 joins a gloo (CPU) or NCCL (CUDA) process group through it. The group is an object the model and
@@ -62,7 +62,8 @@ class Collectives(Protocol):
 
     def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work: ...
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: dist.GatherOptions) -> dist.Work: ...
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout: datetime.timedelta) -> dist.Work: ...
 
@@ -113,11 +114,14 @@ class TensorParallelGroup:
         self._group.allreduce([t]).wait()
         return t
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's `t` [rows, cols] side by side: [rows, world_size * cols], rank 0's first."""
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._group.allgather([parts], [t.contiguous()]).wait()
-        return torch.cat(parts, dim=-1)
+    def gather(self, t: torch.Tensor) -> torch.Tensor | None:
+        """On rank 0, every rank's `t` [rows, cols] side by side: [rows, world_size * cols], rank
+        0's first; None on the others."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else []
+        self._group.gather([parts] if parts else [], [t.contiguous()], opts).wait()
+        return torch.cat(parts, dim=-1) if parts else None
 
     def broadcast(self, t: torch.Tensor, idle: bool = False) -> torch.Tensor:
         """Rank 0's `t` into every rank's `t` (same shape), in place; `idle` (a worker waiting for

@@ -7,7 +7,7 @@ are summed over the ranks (an all-reduce) before they enter the residual stream;
 The embedding table and the LM head are vocab parallel: rank r holds vocab rows
 r*V'/N .. (r+1)*V'/N - 1 (V' = V rounded up to a multiple of N, padded with zero rows); an
 embedding lookup sums the ranks' rows (each rank gives zeros for tokens it does not hold) and the
-logits are the ranks' columns gathered side by side.
+logits are the ranks' columns gathered side by side on rank 0, the one that samples.
 
 A shard is a plain `CausalLM` built from the config of one rank (`shard_config`: h/N query heads,
 kv/N KV heads, I/N intermediate, V'/N vocab rows), so attention, the KV cache (sharded by KV heads)
@@ -94,7 +94,11 @@ class TensorParallelCausalLM(CausalLM):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(self.ops.linear(hidden, self.head))[:, : self.vocab_size].float()
+        """On rank 0 the whole vocabulary's fp32 logits, gathered from the ranks' columns; on the
+        others (which sample nothing) their own columns, in the model's dtype."""
+        local = self.ops.linear(hidden, self.head)
+        gathered = self.group.gather(local)
+        return local if gathered is None else gathered[:, : self.vocab_size].float()
 
 
 def _dense(w: LinearWeight, name: str) -> torch.Tensor:
