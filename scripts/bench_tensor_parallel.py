@@ -25,6 +25,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,47 +36,62 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model.config import ModelConfig
 from nanoserve.parallel.group import Rendezvous, TensorParallelGroup, free_port
+from nanoserve.parallel.runner import TensorParallelRunner
 
 
-def step_times(engine: LLMEngine, prompt_len: int, batch: int, steps: int) -> list[float]:
-    """Seconds of each engine step in which all `batch` sequences decode."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{batch}-{i}", [(7 * i + j) % 200 + 10 for j in range(prompt_len)], params)
-    times = []
+class Timing(NamedTuple):
+    """A kind of step: its median wall time, and the CPU time all ranks spent on it (the mean over
+    the steps measured; it counts work, and so is not inflated by other processes' load the way
+    wall time is on a shared machine)."""
+
+    wall: float
+    cpu: float
+
+
+def cpu_seconds(engine: LLMEngine) -> float:
+    """User + system CPU seconds so far of this process and of the engine's worker ranks."""
+    own = os.times()
+    total = own.user + own.system
+    runner = engine.runner
+    if isinstance(runner, TensorParallelRunner):
+        tick = os.sysconf("SC_CLK_TCK")
+        for process in runner.workers.processes.values():
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def time_steps(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, prefill: bool) -> Timing:
+    """Runs the prompts to completion; times the steps that prefill them all at once (`prefill`)
+    or those in which every sequence decodes."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", prompt, params)
+    walls: list[float] = []
+    cpu = 0.0
     while engine.has_unfinished():
-        decoding = engine.num_decoding_seqs() == batch
-        start = time.perf_counter()
+        timed = engine.num_decoding_seqs() == len(prompts) if not prefill else not walls
+        start, start_cpu = time.perf_counter(), cpu_seconds(engine)
         engine.step()
-        if decoding:
-            times.append(time.perf_counter() - start)
-    return times
-
-
-def prefill_time(engine: LLMEngine, prompt_len: int, reps: int) -> float:
-    """Median seconds of one step prefilling a `prompt_len`-token prompt (no prefix-cache hit)."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    times = []
-    for r in range(reps):
-        engine.add_request(f"p{r}", [(r * 31 + j) % 200 + 10 for j in range(prompt_len)], params)
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-        while engine.has_unfinished():
-            engine.step()
-    return statistics.median(times)
+        if timed:
+            walls.append(time.perf_counter() - start)
+            cpu += cpu_seconds(engine) - start_cpu
+    return Timing(statistics.median(walls), cpu / len(walls))
 
 
 def measure_engine(path: Path, tp: int, threads: int, batches: list[int], prefill: int,
-                   steps: int) -> dict[str, float]:
+                   steps: int) -> dict[str, Timing]:
     torch.set_num_threads(threads)
     engine = build_engine(EngineArgs(model=str(path), tensor_parallel_size=tp, max_model_len=2048,
                                      max_num_batched_tokens=max(prefill, 256), enable_prefix_caching=False,
                                      num_kv_blocks=max(batches) * 8 + prefill // 16 + 8))
     try:
-        out = {"prefill": prefill_time(engine, prefill, 3)}
+        prefills = [time_steps(engine, [[(r * 31 + j) % 200 + 10 for j in range(prefill)]], 1, True)
+                    for r in range(3)]
+        out = {"prefill": Timing(statistics.median(t.wall for t in prefills), statistics.mean(t.cpu for t in prefills))}
         for b in batches:
-            out[f"decode b={b}"] = statistics.median(step_times(engine, 16, b, steps))
+            prompts = [[(7 * i + j) % 200 + 10 for j in range(16)] for i in range(b)]
+            out[f"decode b={b}"] = time_steps(engine, prompts, steps + 1, False)
         return out
     finally:
         engine.close()
@@ -147,16 +163,20 @@ def main() -> None:
           f"({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {str(dtype).removeprefix('torch.')}); "
           "ms per step (xN: torch threads per rank)")
     names = list(runs)
-    print(f"{'step':<14}" + "".join(f"{n:>11}" for n in names) + f"{'TP2/best TP1':>14}{'collectives':>13}"
-          f"{'of TP=2 step':>14}")
-    for step, t2 in engines[names[2]].items():
+    header = f"{'step':<14}" + "".join(f"{n:>11}" for n in names)
+    print(f"wall ms per step\n{header}{'TP2/best TP1':>14}{'collectives':>13}{'of TP=2 step':>14}")
+    for step, timing in engines[names[2]].items():
         n = ns.prefill if step == "prefill" else int(step.split("=")[1])
         rows = 1 if step == "prefill" else n  # logits rows: the prefill's last token, one per decode
         collective = ((2 * cfg.num_hidden_layers + 1) * comm[f"all_reduce n={n}"] + comm[f"gather n={rows}"]
                       + 2 * comm["broadcast"])
-        best = min(engines[names[0]][step], engines[names[1]][step])
-        print(f"{step:<14}" + "".join(f"{engines[name][step] * 1e3:>11.1f}" for name in names)
-              + f"{t2 / best:>14.2f}{collective * 1e3:>13.2f}{collective / t2:>14.0%}")
+        best = min(engines[names[0]][step].wall, engines[names[1]][step].wall)
+        print(f"{step:<14}" + "".join(f"{engines[name][step].wall * 1e3:>11.1f}" for name in names)
+              + f"{timing.wall / best:>14.2f}{collective * 1e3:>13.2f}{collective / timing.wall:>14.0%}")
+    print(f"CPU ms per step, all ranks (10 ms clock ticks)\n{header}{'TP2/TP1 x1':>14}")
+    for step, timing in engines[names[2]].items():
+        print(f"{step:<14}" + "".join(f"{engines[name][step].cpu * 1e3:>11.0f}" for name in names)
+              + f"{timing.cpu / engines[names[1]][step].cpu:>14.2f}")
     print("one collective alone (us): " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in comm.items()))
 
 
