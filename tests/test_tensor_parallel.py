@@ -21,8 +21,10 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.model import load_model
+from nanoserve.parallel.group import free_port
 from nanoserve.parallel.megatron import shard_config
 from nanoserve.parallel.runner import TensorParallelRunner
+from nanoserve.parallel.worker import run_node_workers
 
 from conftest import FAMILIES
 
@@ -115,6 +117,29 @@ def test_tp2_speculative_decoding_keeps_greedy_output(make_checkpoint: Callable[
             assert llm.engine.spec_stats.accepted > 0
         finally:
             llm.engine.close()
+
+
+def test_two_nodes_on_one_machine(make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--nnodes 2: node 1 runs only its worker rank (as `nanoserve serve --node-rank 1` does), node 0
+    the engine; they meet at MASTER_ADDR:MASTER_PORT and give TP=1's output; the engine's stop
+    ends node 1's worker cleanly."""
+    path = str(_checkpoint(make_checkpoint, "qwen2"))
+    reference = LLM(path, **ENGINE)
+    prompts = _prompts(reference.engine.vocab_size)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    node1: list[int] = []
+    args = EngineArgs(model=path, tensor_parallel_size=2, nnodes=2, node_rank=1, **ENGINE)
+    thread = threading.Thread(target=lambda: node1.append(run_node_workers(args)))
+    thread.start()
+    llm = LLM(path, tensor_parallel_size=2, nnodes=2, node_rank=0, **ENGINE)
+    try:
+        assert isinstance(llm.engine.runner, TensorParallelRunner) and not llm.engine.runner.workers.processes
+        assert _greedy(llm, prompts) == _greedy(reference, prompts)
+    finally:
+        llm.engine.close()
+    thread.join(timeout=30)
+    assert node1 == [0]
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 16) -> httpx.Response:
