@@ -4,6 +4,7 @@ through a real server under concurrent requests; a killed worker rank fails requ
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import threading
@@ -78,6 +79,18 @@ def test_a_model_that_does_not_split_fails_the_build(make_checkpoint: Callable[.
     """Every rank refuses a model with one KV head, and no worker is left running."""
     with pytest.raises(ValueError, match="must divide num_key_value_heads=1"):
         build_engine(EngineArgs(model=str(make_checkpoint("mistral")), dtype="float32", tensor_parallel_size=2))
+    assert not _live_workers()
+
+
+def test_a_build_that_fails_on_rank_0_leaves_no_worker(make_checkpoint: Callable[..., Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr("nanoserve.engine.builder.load_model", fail)
+    with pytest.raises(OSError, match="disk gone"):
+        build_engine(EngineArgs(model=str(make_checkpoint("llama")), dtype="float32", tensor_parallel_size=2))
+    gc.collect()
     assert not _live_workers()
 
 

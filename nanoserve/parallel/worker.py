@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -67,10 +68,13 @@ def run_worker(args: EngineArgs, rendezvous: Rendezvous, rank: int) -> None:
 
 
 class WorkerRanks:
-    """The worker processes one node started, by rank. Invariant: `stop` leaves none running."""
+    """The worker processes one node started, by rank. Invariants: `stop` leaves none running,
+    and none outlives this object (those still running when it is collected, or at interpreter
+    exit, are killed: so a build that fails after starting them leaves none behind)."""
 
     def __init__(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         self.processes = processes
+        weakref.finalize(self, _kill, list(processes.values()))
 
     @classmethod
     def start(cls, args: EngineArgs, rendezvous: Rendezvous, ranks: range) -> WorkerRanks:
@@ -113,6 +117,13 @@ class WorkerRanks:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def node_ranks(args: EngineArgs) -> range:
