@@ -38,6 +38,10 @@ _HELP = {
     "generation_config": "sampling defaults for fields a request leaves unset: auto (temperature, top_p, top_k, "
                          "min_p, repetition_penalty from the model's generation_config.json), vllm (nanoserve's own "
                          "defaults) or a folder holding a generation_config.json",
+    "tensor_parallel_size": "shard the model over this many ranks (one process each; gloo on CPU, NCCL on CUDA)",
+    "nnodes": "machines the tensor-parallel ranks span (rank 0's address and port from MASTER_ADDR, MASTER_PORT)",
+    "node_rank": "this machine's index among --nnodes; above 0 the command runs only this machine's worker ranks",
+    "distributed_timeout": "seconds a tensor-parallel collective may wait for a rank before the engine gives up",
 }
 # Fields whose default is None, by the type a given value has.
 _OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int, "num_kv_blocks": int,

@@ -16,6 +16,7 @@ from nanoserve.commands.common import add_engine_args, add_model_arg, engine_arg
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.parallel.worker import run_node_workers
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
 from nanoserve.server.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
 from nanoserve.server.engine_core import EngineState
@@ -73,6 +74,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.data_parallel_size != 1:
         return _run_data_parallel(ns)
     args = engine_args_from(ns)
+    if args.node_rank > 0:  # a further node of a tensor-parallel engine: its worker ranks only
+        return run_node_workers(args)
     name = ns.served_model_name or ns.model or DEMO_MODEL_NAME
 
     def shut_down() -> None:

@@ -40,6 +40,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm, a folder
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (nanoserve.parallel)
+    nnodes: int = 1  # machines the ranks span (MASTER_ADDR / MASTER_PORT name rank 0's)
+    node_rank: int = 0  # this machine's index; above 0 it runs only its worker ranks
+    distributed_timeout: float = 60.0  # seconds a tensor-parallel collective may wait before it fails
 
     def __post_init__(self) -> None:
         if self.kv not in ("paged", "contiguous"):
@@ -63,6 +67,11 @@ class EngineArgs:
                              f"got {self.speculative_dtype!r}")
         if not 0.0 <= self.speculative_min_confidence <= 1.0:
             raise ValueError(f"speculative_min_confidence must be in [0, 1], got {self.speculative_min_confidence}")
+        if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a positive multiple of "
+                             f"nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -26,30 +26,40 @@ from nanoserve.engine.spec_decode import NgramProposer, Proposer
 from nanoserve.model import CausalLM, LoadedModel, load_model
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layer_ops import CpuLayerOps, select_layer_ops
+from nanoserve.parallel.megatron import TensorParallelCausalLM
+from nanoserve.parallel.runner import TensorParallelLaunch, TensorParallelRunner
+from nanoserve.parallel.worker import WorkerRanks
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:
-    """Loads the model (unless given) and the draft model (if any), and sizes the engine for them."""
+    """Loads the model (unless given) and the draft model (if any), and sizes the engine for them.
+    With `tensor_parallel_size` > 1 the worker ranks start first, the model is sharded, and the
+    draft model (if any) runs whole on rank 0."""
+    if args.tensor_parallel_size > 1 and loaded is not None:
+        raise ValueError("with tensor_parallel_size > 1 every rank loads args.model itself; pass no loaded model")
+    launch = TensorParallelLaunch(args) if args.tensor_parallel_size > 1 else None
     if loaded is None:
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     device = torch.device(args.device)
     loaded.model.ops = select_layer_ops(args.attention_backend, device, loaded.model.dtype)
     draft = _load_draft(args, loaded, device) if args.spec_method == "draft" else None
+    if launch is not None:
+        loaded = launch.shard(loaded, device)
     cfg = loaded.config
     args = args.resolved(cfg.max_position_embeddings, cfg.sliding_window,
                          None if draft is None else _context_limit(draft.config))
     torch.manual_seed(args.seed)
     vocab_size = min(cfg.vocab_size, loaded.tokenizer.vocab_size)
-    kv_shape = _kv_shape(cfg)
+    kv_shape = _kv_shape(loaded.model.cfg)  # a shard's: its share of the KV heads
     bytes_per_block = kv_shape.bytes_per_block(args.block_size, loaded.model.dtype)
     if draft is not None:  # the draft keeps a pool of as many blocks beside the target's
         draft_shape = _kv_shape(draft.config)
         bytes_per_block += draft_shape.bytes_per_block(args.block_size, draft.model.dtype)
     free_memory = None
-    if device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory is None:
+    if device.type == "cuda" and args.num_kv_blocks is None and args.kv_cache_memory is None and launch is None:
         free_memory = gpu_kv_budget(loaded.model, kv_shape, args, device)
     num_blocks = args.resolve_num_blocks(bytes_per_block, free_memory)
     proposer: Proposer | None = None
@@ -66,23 +76,32 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
                  "the model's generation_config.json" if args.generation_config == "auto" else args.generation_config,
                  ", ".join(f"{k}={v}" for k, v in defaults.items()))
     return engine_from_model(loaded.model, loaded.tokenizer, kv_shape, vocab_size, args,
-                             loaded.tokenizer.stop_token_ids, proposer, num_blocks, defaults)
+                             loaded.tokenizer.stop_token_ids, proposer, num_blocks, defaults,
+                             None if launch is None else launch.workers)
 
 
 def engine_from_model(model: Model, tokenizer: Tokenizer | None, kv_shape: KVShape, vocab_size: int,
                       args: EngineArgs, stop_token_ids: frozenset[int] = frozenset(),
                       proposer: Proposer | None = None, num_blocks: int | None = None,
-                      sampling_defaults: dict[str, float | int] | None = None) -> LLMEngine:
+                      sampling_defaults: dict[str, float | int] | None = None,
+                      workers: WorkerRanks | None = None) -> LLMEngine:
     """An engine around a model already loaded. `args` must be resolved (max_model_len set).
     `num_blocks=None` sizes the pool from the memory budget `args` gives (no GPU profile).
     `tokenizer=None` skips detokenization (token ids only). `sampling_defaults`: the values of
-    SamplingParams fields a request leaves unset (see `generation_config`)."""
+    SamplingParams fields a request leaves unset (see `generation_config`). `workers`: the worker
+    ranks of a tensor-parallel `model` (rank 0's shard), which then steps without CUDA graphs."""
     if num_blocks is None:
         num_blocks = args.resolve_num_blocks(kv_shape.bytes_per_block(args.block_size, model.dtype))
     device = torch.device(args.device)
-    runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids, device,
-                         select_backend(args.attention_backend, device))
-    use_cuda_graphs(runner, kv_shape.num_kv_heads, args)
+    backend = select_backend(args.attention_backend, device)
+    if workers is not None:
+        assert isinstance(model, TensorParallelCausalLM)
+        runner: ModelRunner = TensorParallelRunner(model, workers, kv_shape, num_blocks, args.block_size, vocab_size,
+                                                   stop_token_ids, device, backend)
+    else:
+        runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids, device,
+                             backend)
+        use_cuda_graphs(runner, kv_shape.num_kv_heads, args)
     return LLMEngine(runner, num_blocks, tokenizer, args, proposer, sampling_defaults)
 
 

@@ -300,6 +300,11 @@ class LLMEngine:
                 self.proposer.release(seq)
         return True
 
+    def close(self) -> None:
+        """Releases what the engine holds outside this process (tensor-parallel worker ranks);
+        the engine takes no step after it."""
+        self.runner.close()
+
     def step(self) -> StepOutput:
         """Runs one batched step; returns one delta per sequence that produced tokens or ended,
         the requests that ended in it, and those whose constraint failed to compile (see

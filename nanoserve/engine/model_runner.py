@@ -37,6 +37,10 @@ class Model(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class RunnerFailure(RuntimeError):
+    """The runner can run no further step (a tensor-parallel rank is lost): the engine is dead."""
+
+
 class KVShape(NamedTuple):
     num_layers: int
     num_kv_heads: int
@@ -213,6 +217,10 @@ class ModelRunner:
             return torch.tensor(rows, dtype=torch.long, device=self.device), allowed
 
         return self._mask_worker.submit(masks)
+
+    def close(self) -> None:
+        """Releases what the runner holds outside this process (a tensor-parallel runner's worker
+        ranks); this one holds nothing there."""
 
     def release(self, seq: Sequence) -> None:
         """Forgets a finished request's generator."""

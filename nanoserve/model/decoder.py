@@ -140,12 +140,17 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden_size] (normed)."""
-        residual = F.embedding(input_ids, self.embed_tokens.weight)
+        residual = self.embed(input_ids)
         cos, sin = self.rope(positions, residual.dtype)
         x = torch.zeros_like(residual)  # what the first layer adds into the stream
         for i, layer in enumerate(self.layers):
             x = layer(x, residual, cos, sin, kv_caches[i], meta, backend, self.ops)
         return self.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' rows of the embedding table [num_tokens, hidden_size]: a new tensor, which
+        becomes the residual stream (a vocab-parallel model sums its ranks' rows here)."""
+        return F.embedding(input_ids, self.embed_tokens.weight)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ wakes up to send one that often. Unwatched, the engine records nothing for them.
 Failures. An exception in `add_request`, or a constraint the engine's compile threads could not
 compile (`StepOutput.failed`), fails that request only; an exception in `step` fails
 every request in flight (the batch is shared), after which the engine must hold no request and no
-block, or the loop raises and the core exits dead.
+block, or the loop raises and the core exits dead; a `RunnerFailure` (a lost tensor-parallel rank)
+makes it exit dead at once. Every exit closes the engine.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from multiprocessing.connection import Connection
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.model_runner import RunnerFailure
 from nanoserve.engine.outputs import EngineLimits, EngineSnapshot, EngineStats, SequenceDelta, StepOutput
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.log import configure_logging
@@ -149,6 +151,8 @@ class EngineCore:
             if engine.has_unfinished():
                 try:
                     out = engine.step()
+                except RunnerFailure:
+                    raise  # no step can run again: the core exits dead, failing every request
                 except Exception as e:
                     log.exception("an engine step failed; failing the requests in flight")
                     self._fail_live(f"the engine failed: {type(e).__name__}: {e}", failed)
@@ -239,6 +243,7 @@ def run_core(loader: Callable[[], LLMEngine], receive: Receive, send: Send) -> N
         exited = Exited(EngineState.STOPPED)
     try:
         core.abort_all()
+        engine.close()
     except Exception:
         log.exception("cleaning up the engine failed")
     send(exited)
