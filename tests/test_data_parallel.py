@@ -224,6 +224,11 @@ def test_a_data_parallel_size_below_1_is_an_error(size: str, capsys: pytest.Capt
     assert "must be at least 1" in capsys.readouterr().err
 
 
+def test_data_parallel_with_tensor_parallel_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--data-parallel-size", "2", "--tensor-parallel-size", "2"]) == 2
+    assert "--data-parallel-size with --tensor-parallel-size" in capsys.readouterr().err
+
+
 def test_a_port_of_the_layout_in_use_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     port = _free_ports(4)
     with socket.socket() as taken:

@@ -108,6 +108,10 @@ _LAUNCHER_ONLY = frozenset({"host", "port", "data_parallel_size", "router_policy
 def _run_data_parallel(ns: argparse.Namespace) -> int:
     """`serve --data-parallel-size N`: the replicas, each `nanoserve serve` with this command's
     other flags, behind the router (nanoserve.server.data_parallel)."""
+    if ns.tensor_parallel_size != 1 or ns.nnodes != 1:
+        raise ValueError("--data-parallel-size with --tensor-parallel-size or --nnodes is not supported: the "
+                         "replicas would share one rendezvous port; run tensor-parallel replicas one by one "
+                         "and start the router yourself (docs/scale_out.md)")
     plan = DataParallelPlan.for_cpus(ns.host, ns.port, ns.data_parallel_size, ns.router_policy, available_cpus())
     require_router()
     flags = replica_argv(ns.serve_parser, ns)
