@@ -12,8 +12,11 @@ Invariants shared by both:
 - `rms_norm` with a residual adds x into the residual in place (residual += x, rounded to the
   dtype as torch's add is) and returns the norm of the sum: the pre-norm block's "h = h + sublayer;
   normed = norm(h)" in one step.
-- `linear` takes a `LinearWeight` and dispatches on its format; both take `DenseWeight` and raise
-  `UnsupportedWeightFormat` (naming the format) for any other.
+- `linear` takes a `LinearWeight` and dispatches on its format; both take `DenseWeight`,
+  `BlockQuantWeight` and `StackedWeight` (its parts' products side by side), and raise
+  `UnsupportedWeightFormat` (naming the format) for any other. The output has x's dtype.
+- `embed` gathers rows of an embedding table (dense or block-quantized; only the gathered rows
+  are dequantized) into a dense [*ids.shape, hidden] tensor of the table's dtype.
 - `qk_norm_rope` returns q [n, heads, head_dim] and k [n, kv_heads, head_dim]; they may be views of
   qkv (CpuLayerOps rotates in place, so qkv's q and k columns are overwritten) or new tensors.
 """
@@ -26,6 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from nanoserve.model.block_quant import BlockQuantWeight, StackedWeight, dequantize
 from nanoserve.model.layers import apply_rope, rms_norm
 from nanoserve.model.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
 from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
@@ -33,6 +37,8 @@ from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
 
 class LayerOps(Protocol):
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -48,9 +54,18 @@ class TorchLayerOps:
     """The reference, in torch calls."""
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(w, DenseWeight):
-            raise UnsupportedWeightFormat("TorchLayerOps", w.format)
-        return F.linear(x, w.weight, bias)
+        """F.linear on the dense weight; a block-quantized one dequantized to x's dtype first."""
+        if isinstance(w, DenseWeight):
+            return F.linear(x, w.weight, bias)
+        if isinstance(w, BlockQuantWeight):
+            return F.linear(x, dequantize(w, x.dtype), bias)
+        if isinstance(w, StackedWeight):
+            out = torch.cat([self.linear(x, part) for part in w.parts], dim=-1)
+            return out if bias is None else out + bias
+        raise UnsupportedWeightFormat("TorchLayerOps", w.format)
+
+    def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
+        return embed_rows(ids, table)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,6 +120,11 @@ class CpuLayerOps:
         """For a `DenseWeight`: the C++ product for 2-D contiguous x of one dtype with its weight and
         bias, of at most `max_rows[dtype]` rows; F.linear otherwise. Other formats raise
         `UnsupportedWeightFormat`."""
+        if isinstance(w, BlockQuantWeight):
+            return F.linear(x, dequantize(w, x.dtype), bias)
+        if isinstance(w, StackedWeight):
+            out = torch.cat([self.linear(x, part) for part in w.parts], dim=-1)
+            return out if bias is None else out + bias
         if not isinstance(w, DenseWeight):
             raise UnsupportedWeightFormat("CpuLayerOps", w.format)
         weight = w.weight
@@ -118,6 +138,9 @@ class CpuLayerOps:
         self._linear[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                               out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
         return out
+
+    def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
+        return embed_rows(ids, table)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,6 +173,17 @@ class CpuLayerOps:
         self._silu[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                                   torch.get_num_threads())
         return out
+
+
+def embed_rows(ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
+    """The rows `ids` of `table` [*ids.shape, in_features] in the table's dtype: gathered from a
+    dense table, dequantized from the gathered blocks of a block-quantized one."""
+    if isinstance(table, DenseWeight):
+        return F.embedding(ids, table.weight)
+    if isinstance(table, BlockQuantWeight):
+        rows = dequantize(table.rows[ids.reshape(-1)], table.dtype)
+        return rows.reshape(*ids.shape, table.in_features)
+    raise UnsupportedWeightFormat("embed", table.format)
 
 
 def _check(first: torch.Tensor, *others: torch.Tensor) -> None:
