@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model.block_quant import BlockQuantWeight, StackedWeight, dequantize
+from nanoserve.model.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight, dequantize
 from nanoserve.model.layers import apply_rope, rms_norm
 from nanoserve.model.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
 from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
@@ -115,16 +115,16 @@ class CpuLayerOps:
         self._norm = {dtype: getattr(lib, f"nanoserve_rms_norm_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._rope = {dtype: getattr(lib, f"nanoserve_qk_norm_rope_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._silu = {dtype: getattr(lib, f"nanoserve_silu_mul_{s}") for dtype, s in DTYPE_SUFFIX.items()}
+        self._quant_linear = {dtype: getattr(lib, f"nanoserve_quant_linear_{s}") for dtype, s in DTYPE_SUFFIX.items()}
+        self._dequantize_rows = {dtype: getattr(lib, f"nanoserve_dequantize_rows_{s}")
+                                 for dtype, s in DTYPE_SUFFIX.items()}
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """For a `DenseWeight`: the C++ product for 2-D contiguous x of one dtype with its weight and
-        bias, of at most `max_rows[dtype]` rows; F.linear otherwise. Other formats raise
-        `UnsupportedWeightFormat`."""
-        if isinstance(w, BlockQuantWeight):
-            return F.linear(x, dequantize(w, x.dtype), bias)
-        if isinstance(w, StackedWeight):
-            out = torch.cat([self.linear(x, part) for part in w.parts], dim=-1)
-            return out if bias is None else out + bias
+        bias, of at most `max_rows[dtype]` rows; F.linear otherwise. Block-quantized and stacked
+        weights: `_quantized_linear`. Other formats raise `UnsupportedWeightFormat`."""
+        if isinstance(w, BlockQuantWeight | StackedWeight):
+            return self._quantized_linear(x, w, bias)
         if not isinstance(w, DenseWeight):
             raise UnsupportedWeightFormat("CpuLayerOps", w.format)
         weight = w.weight
@@ -139,8 +139,41 @@ class CpuLayerOps:
                               out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
         return out
 
+    def _quantized_linear(self, x: torch.Tensor, w: BlockQuantWeight | StackedWeight,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """quant.cpp's product for 2-D contiguous x of a dtype in DTYPES (bias of that dtype), any
+        number of rows; each part of a StackedWeight writes its columns of one output (a dense part
+        through `linear`). Other x take the reference (dequantize, then F.linear)."""
+        if (x.dim() != 2 or x.dtype not in self.DTYPES or not x.is_contiguous()
+                or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
+            return TorchLayerOps().linear(x, w, bias)
+        out = x.new_empty(x.shape[0], w.out_features)
+        offset = 0
+        for part in w.parts if isinstance(w, StackedWeight) else [w]:
+            cols = slice(offset, offset + part.out_features)
+            part_bias = None if bias is None else bias[cols]
+            if isinstance(part, BlockQuantWeight):
+                self._quant_linear[x.dtype](
+                    x.data_ptr(), part.blocks.data_ptr(), int(BLOCK_FORMATS[part.format].qtype),
+                    None if part_bias is None else part_bias.data_ptr(), out[:, cols].data_ptr(), out.shape[1],
+                    x.shape[0], part.out_features, part.in_features, torch.get_num_threads())
+            else:
+                out[:, cols] = self.linear(x, part, part_bias)
+            offset += part.out_features
+        return out
+
     def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
-        return embed_rows(ids, table)
+        """Rows of a block-quantized table dequantized by quant.cpp (ids out of range raise
+        IndexError); `embed_rows` for the rest."""
+        if not (isinstance(table, BlockQuantWeight) and table.dtype in self.DTYPES):
+            return embed_rows(ids, table)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.shape[0], table.in_features, dtype=table.dtype)
+        if self._dequantize_rows[table.dtype](
+                table.blocks.data_ptr(), int(BLOCK_FORMATS[table.format].qtype), table.out_features,
+                table.in_features, flat.data_ptr(), flat.shape[0], out.data_ptr(), torch.get_num_threads()) != 1:
+            raise IndexError("embed: a token id outside the table")
+        return out.reshape(*ids.shape, table.in_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
