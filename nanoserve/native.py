@@ -51,12 +51,26 @@ NATIVE_ISA = ("-march=native",)  # the instruction set flags of the build for th
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-class LayerWeights(ctypes.Structure):
-    """kernels.h's LayerWeights: one decoder layer's parameter addresses (None for a parameter the
-    family lacks), each weight dense in the model's dtype."""
+class MatrixPart(ctypes.Structure):
+    """kernels.h's MatrixPart: `rows` rows of a matrix, dense in the model's dtype (qtype -1) or GGUF
+    blocks of type `qtype`, at `data`."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down")]
+    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64), ("qtype", ctypes.c_int64)]
+
+
+class Matrix(ctypes.Structure):
+    """kernels.h's Matrix: one to three MatrixParts stacked by rows."""
+
+    _fields_ = [("parts", MatrixPart * 3), ("num_parts", ctypes.c_int64)]
+
+
+class LayerWeights(ctypes.Structure):
+    """kernels.h's LayerWeights: one decoder layer's vector addresses (None for a parameter the
+    family lacks) and matrices."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("qkv", Matrix), ("qkv_bias", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("o_proj", Matrix),
+                ("post_norm", ctypes.c_void_p), ("gate_up", Matrix), ("down", Matrix)]
 
 
 class Signature(NamedTuple):

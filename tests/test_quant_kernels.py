@@ -21,7 +21,16 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.model.block_quant import BLOCK_FORMATS, BlockQuantWeight, QuantizedRows, dequantize, quantize
+from nanoserve.model.block_quant import (
+    BLOCK_FORMATS,
+    BlockQuantWeight,
+    QuantizedRows,
+    StackedWeight,
+    dequantize,
+    quantize,
+)
+from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps
+from nanoserve.model.weight_formats import DenseWeight
 from nanoserve.native import load_cpu_kernels
 
 FORMATS = list(BLOCK_FORMATS)
@@ -184,3 +193,37 @@ def test_quantize_is_ggml_reference_quantizer(fmt: str) -> None:
 def test_k_quants_cannot_be_quantized_here() -> None:
     with pytest.raises(NotImplementedError):
         BlockQuantWeight.empty("q4_k", 2, 256).copy_(torch.zeros(2, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_layer_ops_products_of_quantized_and_stacked_weights(dtype: torch.dtype) -> None:
+    """CpuLayerOps.linear on a stacked weight (q4_k, a dense part, q6_k, with a bias) against the
+    reference (dequantize, then F.linear): within the activation quantization bound up to
+    `max_rows` rows (quant.cpp), to GEMM rounding beyond (dequantized tiles, here several per
+    part); and embed gathers the dequantized rows."""
+    lib = load_cpu_kernels()
+    assert lib is not None
+    ops, reference = CpuLayerOps(lib), TorchLayerOps()
+    rng = np.random.default_rng(5)
+    k = 512
+    top = BlockQuantWeight("q4_k", torch.from_numpy(random_blocks("q4_k", 37, k, rng)), k, dtype)
+    bottom = BlockQuantWeight("q6_k", torch.from_numpy(random_blocks("q6_k", 1100, k, rng)), k, dtype)
+    dense = DenseWeight(torch.randn(9, k).to(dtype))
+    w = StackedWeight([top, dense, bottom])
+    dense_w = torch.cat([dequantize(top), dense.weight.float(), dequantize(bottom)])
+    bias = torch.randn(w.out_features).to(dtype)
+    limit = ops.max_rows[dtype] or 64
+    for m in (1, 3, limit, limit + 1):
+        x = torch.randn(m, k).to(dtype)
+        got = ops.linear(x, w, bias).float()
+        ref = reference.linear(x, w, bias).float()
+        exact = x.float() @ dense_w.T + bias.float()
+        if ops.max_rows[dtype] is None or m <= limit:
+            tol = bound(dense_w, x.float()) + exact.abs() * 2**-7 + (2**-8 if dtype == torch.bfloat16 else 0)
+            assert ((got - exact).abs() <= tol).all(), m
+        else:
+            assert torch.allclose(got, ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2), m
+    ids = torch.tensor([[5, 0], [1099, 17]])
+    assert torch.equal(ops.embed(ids, bottom), dequantize(bottom, dtype)[ids])
+    with pytest.raises(IndexError):
+        ops.embed(torch.tensor([1100]), bottom)

@@ -163,21 +163,10 @@ void dequantize_block(int qtype, const uint8_t* p, float* y) {
   }
 }
 
-// Rows of W [.., K] as T: out row i = W row rows[i] (rows null: row i).
-template <typename T>
-void dequantize_rows(const uint8_t* w, int qtype, int64_t K, const int64_t* rows, int64_t n, T* out,
-                     int num_threads) {
+// One row of W [K] as floats, block by block (the SIMD path has its own, same values).
+inline void dequantize_row_scalar(int qtype, const uint8_t* src, int64_t K, float* y) {
   const BlockLayout b = layout(qtype);
-  const int64_t row_bytes = K / b.values * b.bytes;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && n * K >= kParallelWork)
-  for (int64_t i = 0; i < n; ++i) {
-    const uint8_t* src = w + (rows != nullptr ? rows[i] : i) * row_bytes;
-    float y[256];
-    for (int64_t blk = 0; blk < K / b.values; ++blk) {
-      dequantize_block(qtype, src + blk * b.bytes, y);
-      for (int64_t v = 0; v < b.values; ++v) from_float(y[v], out + i * K + blk * b.values + v);
-    }
-  }
+  for (int64_t blk = 0; blk < K / b.values; ++blk) dequantize_block(qtype, src + blk * b.bytes, y + blk * b.values);
 }
 
 #if defined(__AVX2__)
@@ -351,6 +340,43 @@ struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0
   }
 };
 
+// One row of W [K] as floats through the groups' chunks: value = s * (u - offset) - min, the
+// operations and their order those of dequantize_block (so the same bits).
+template <int Q>
+void dequantize_row(const uint8_t* src, int64_t K, float* y) {
+  using G = Group<Q>;
+  constexpr bool signed_u = Q == kQ8_0 && kSignTrick;  // u is q itself there
+  const __m256i offset = _mm256_set1_epi32(offset_of(Q));
+  for (int64_t gi = 0; gi < K / G::values; ++gi) {
+    const G g(src + gi * layout(Q).bytes);
+    for (int c = 0; c < G::values / kChunk; ++c) {
+      alignas(32) uint8_t u[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u), g.u(c));
+      const __m256 scale = g.s(c);
+      for (int h = 0; h < 4; ++h) {  // eight values: lanes 2h and 2h + 1
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 8 * h));
+        const __m256i q = _mm256_sub_epi32(signed_u ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes), offset);
+        const __m256 s8 = _mm256_permutevar8x32_ps(scale, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1,
+                                                                             2 * h + 1, 2 * h + 1, 2 * h + 1));
+        __m256 v = _mm256_mul_ps(s8, _mm256_cvtepi32_ps(q));
+        if constexpr (has_mins(Q)) v = _mm256_sub_ps(v, lanes_of(g.mins, c));
+        _mm256_storeu_ps(y + gi * G::values + c * kChunk + 8 * h, v);
+      }
+    }
+  }
+}
+
+inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, float* y) {
+  switch (qtype) {
+    case kQ8_0: dequantize_row<kQ8_0>(src, K, y); break;
+    case kQ4_0: dequantize_row<kQ4_0>(src, K, y); break;
+    case kQ4_K: dequantize_row<kQ4_K>(src, K, y); break;
+    case kQ5_K: dequantize_row<kQ5_K>(src, K, y); break;
+    case kQ6_K: dequantize_row<kQ6_K>(src, K, y); break;
+    default: break;
+  }
+}
+
 // The activation rows of one product, quantized for format Q (see the header), K padded with zeros
 // to Kp, a multiple of the vector and of the group.
 struct Activations {
@@ -521,6 +547,10 @@ void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out
 
 constexpr int kIsa = 0;
 
+inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, float* y) {
+  dequantize_row_scalar(qtype, src, K, y);
+}
+
 template <typename T>
 void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out, int64_t out_stride, int64_t M,
                   int64_t N, int64_t K, int num_threads) {
@@ -529,8 +559,7 @@ void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * N * K >= kParallelWork)
   for (int64_t n = 0; n < N; ++n) {
     std::vector<float> row(K);
-    for (int64_t blk = 0; blk < K / b.values; ++blk)
-      dequantize_block(qtype, w + n * row_bytes + blk * b.bytes, row.data() + blk * b.values);
+    dequantize_row_scalar(qtype, w + n * row_bytes, K, row.data());
     for (int64_t m = 0; m < M; ++m) {
       float s = bias != nullptr ? to_float(bias[n]) : 0.0f;
       for (int64_t k = 0; k < K; ++k) s += row[k] * to_float(x[m * K + k]);
@@ -540,6 +569,25 @@ void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out
 }
 
 #endif
+
+// Rows of W [.., K] as T: out row i = W row rows[i] (rows null: row i).
+template <typename T>
+void dequantize_rows(const uint8_t* w, int qtype, int64_t K, const int64_t* rows, int64_t n, T* out,
+                     int num_threads) {
+  const int64_t row_bytes = K / layout(qtype).values * layout(qtype).bytes;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n * K >= kParallelWork)
+  {
+    std::vector<float> y(K);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      dequantize_row_any(qtype, w + (rows != nullptr ? rows[i] : i) * row_bytes, K, y.data());
+      T* dst = out + i * K;
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes) store8(load8(y.data() + k), dst + k);
+      for (; k < K; ++k) from_float(y[k], dst + k);
+    }
+  }
+}
 
 }  // namespace
 

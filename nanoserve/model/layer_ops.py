@@ -96,6 +96,10 @@ class TorchLayerOps:
 # measurements behind both cuts.
 SMALL_M = 16
 NATIVE_BF16_M = 32
+# Block-quantized weights take the same cuts: up to them quant.cpp's int8 products, beyond them
+# torch's GEMM on tiles of the weight dequantized to the model's dtype, each of this many bytes (a
+# tile stays in L2 while the GEMM reads it).
+TILE_BYTES = 1 << 20
 
 
 class CpuLayerOps:
@@ -141,18 +145,25 @@ class CpuLayerOps:
 
     def _quantized_linear(self, x: torch.Tensor, w: BlockQuantWeight | StackedWeight,
                           bias: torch.Tensor | None) -> torch.Tensor:
-        """quant.cpp's product for 2-D contiguous x of a dtype in DTYPES (bias of that dtype), any
-        number of rows; each part of a StackedWeight writes its columns of one output (a dense part
-        through `linear`). Other x take the reference (dequantize, then F.linear)."""
+        """For 2-D contiguous x of a dtype in DTYPES (bias of that dtype): of at most
+        `max_rows[dtype]` rows, quant.cpp's product on the blocks (int8 dot products); of more, where
+        a dense weight would go to torch's GEMM, that GEMM on tiles of W dequantized by quant.cpp
+        (`TILE_BYTES` each; the GEMM then outruns the int8 products by more than the dequantizing
+        costs). Each part of a StackedWeight writes its columns of one output (a dense part through
+        `linear`). Other x take the reference (dequantize, then F.linear)."""
         if (x.dim() != 2 or x.dtype not in self.DTYPES or not x.is_contiguous()
                 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
             return TorchLayerOps().linear(x, w, bias)
+        limit = self.max_rows.get(x.dtype)
+        tiled = limit is not None and x.shape[0] > limit
         out = x.new_empty(x.shape[0], w.out_features)
         offset = 0
         for part in w.parts if isinstance(w, StackedWeight) else [w]:
             cols = slice(offset, offset + part.out_features)
             part_bias = None if bias is None else bias[cols]
-            if isinstance(part, BlockQuantWeight):
+            if isinstance(part, BlockQuantWeight) and tiled:
+                self._tiled_linear(x, part, part_bias, out[:, cols])
+            elif isinstance(part, BlockQuantWeight):
                 self._quant_linear[x.dtype](
                     x.data_ptr(), part.blocks.data_ptr(), int(BLOCK_FORMATS[part.format].qtype),
                     None if part_bias is None else part_bias.data_ptr(), out[:, cols].data_ptr(), out.shape[1],
@@ -161,6 +172,19 @@ class CpuLayerOps:
                 out[:, cols] = self.linear(x, part, part_bias)
             offset += part.out_features
         return out
+
+    def _tiled_linear(self, x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None,
+                      out: torch.Tensor) -> None:
+        """out (columns of a wider output) = x w^T + bias through F.linear on tiles of w's rows
+        dequantized to x's dtype."""
+        rows = max(1, TILE_BYTES // (w.in_features * x.element_size()))
+        tile = x.new_empty(min(rows, w.out_features), w.in_features)
+        qtype = int(BLOCK_FORMATS[w.format].qtype)
+        for lo in range(0, w.out_features, rows):
+            n = min(rows, w.out_features - lo)
+            self._dequantize_rows[x.dtype](w.blocks[lo].data_ptr(), qtype, n, w.in_features, None, n,
+                                           tile.data_ptr(), torch.get_num_threads())
+            out[:, lo:lo + n] = F.linear(x, tile[:n], None if bias is None else bias[lo:lo + n])
 
     def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
         """Rows of a block-quantized table dequantized by quant.cpp (ids out of range raise
