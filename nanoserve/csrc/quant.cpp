@@ -33,7 +33,7 @@
 //
 // Structure (as linear.cpp): output columns shared among OpenMP threads in tasks of 64 rows of W;
 // in a task, W's rows in groups of NW (four for one row of x, two for more) against the rows of x in
-// groups of up to four; each group of W's blocks is unpacked into registers once per group of x
+// groups of up to eight; each group of W's blocks is unpacked into registers once per group of x
 // rows and read from L1 for the next, so W streams from memory once per call.
 //
 // Layouts: x [M, K] contiguous; bias [N] or null (x's type); out row m at out + m * out_stride
@@ -59,6 +59,7 @@ using namespace nanoserve;
 constexpr int kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int64_t kChunk = 32;             // values per activation block and per lane-scale group of W
 constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work item
+constexpr int kRowsX = 8;                  // rows of x per pass over a group of W's rows, at most
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 
 struct BlockLayout {
@@ -100,14 +101,18 @@ inline float fp16(const uint8_t* p) {  // IEEE half at p (little-endian) as a fl
 #endif
 }
 
-// The eight 6-bit scales and mins of a q4_k / q5_k block's 12 scale bytes (see block_quant.py).
-inline void k_scales(const uint8_t* p, uint8_t* scales, uint8_t* mins) {
-  for (int j = 0; j < 4; ++j) {
-    scales[j] = p[j] & 63;
-    mins[j] = p[j + 4] & 63;
-    scales[j + 4] = (p[j + 8] & 0xf) | ((p[j] >> 6) << 4);
-    mins[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
-  }
+// The eight 6-bit scales and mins of a q4_k / q5_k block's 12 scale bytes (see block_quant.py),
+// a byte each: scale c in byte c of *scales, min c in byte c of *mins. Bytes 0-3 hold scales 0-3,
+// bytes 4-7 mins 0-3 (low 6 bits each); scale / min 4 + i is the low / high nibble of byte 8 + i
+// topped by the top two bits of byte i / 4 + i. Done on 32-bit words, four bytes at once.
+inline void k_scales(const uint8_t* p, uint64_t* scales, uint64_t* mins) {
+  uint32_t w[3];
+  std::memcpy(w, p, sizeof w);
+  const uint32_t scales_lo = w[0] & 0x3f3f3f3fu, mins_lo = w[1] & 0x3f3f3f3fu;
+  const uint32_t scales_hi = (w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u);
+  const uint32_t mins_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u);
+  *scales = scales_lo | static_cast<uint64_t>(scales_hi) << 32;
+  *mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
 }
 
 // One block at p as floats y[0 .. values): each value as ggml computes it, (d * scale) * q - dmin * min.
@@ -130,12 +135,13 @@ void dequantize_block(int qtype, const uint8_t* p, float* y) {
     case kQ5_K: {
       const bool five = qtype == kQ5_K;
       const float d = fp16(p), dmin = fp16(p + 2);
-      uint8_t sc[8], mn[8];
-      k_scales(p + 4, sc, mn);
+      uint64_t sc, mn;  // byte c: chunk c's scale, min
+      k_scales(p + 4, &sc, &mn);
       const uint8_t* qh = p + 16;
       const uint8_t* qs = p + (five ? 48 : 16);
       for (int c = 0; c < 8; ++c) {
-        const float d1 = d * static_cast<float>(sc[c]), m1 = dmin * static_cast<float>(mn[c]);
+        const float d1 = d * static_cast<float>((sc >> (8 * c)) & 0xff);
+        const float m1 = dmin * static_cast<float>((mn >> (8 * c)) & 0xff);
         for (int l = 0; l < 32; ++l) {
           int q = c % 2 == 0 ? qs[32 * (c / 2) + l] & 0xf : qs[32 * (c / 2) + l] >> 4;
           if (five) q |= ((qh[l] >> c) & 1) << 4;
@@ -189,6 +195,7 @@ inline FV fma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
 inline FV mul(FV a, FV b) { return _mm512_mul_ps(a, b); }
 inline FV to_fp32(IV a) { return _mm512_cvtepi32_ps(a); }
 inline float reduce(FV a) { return _mm512_reduce_add_ps(a); }
+inline FV widen(__m256 a) { return _mm512_zextps256_ps512(a); }  // upper lanes zero
 inline IV sign_mul(IV, IV) { return IV{}; }  // unused: kSignTrick is false
 inline IV abs8(IV a) { return a; }
 #else
@@ -224,6 +231,7 @@ inline float reduce(FV a) {
   std::memcpy(&v, &a, sizeof v);
   return hsum(v);
 }
+inline FV widen(__m256 a) { return a; }
 inline IV sign_mul(IV w, IV x) { return _mm256_sign_epi8(w, x); }  // w * sign(x), lane by lane
 inline IV abs8(IV a) { return _mm256_abs_epi8(a); }
 #endif
@@ -282,15 +290,12 @@ struct KGroup {
   __m256 scales, mins;
   KGroup() = default;
   explicit KGroup(const uint8_t* block) : p(block) {
-    uint8_t sc[8], mn[8];
-    k_scales(block + 4, sc, mn);
-    int64_t sc64, mn64;
-    std::memcpy(&sc64, sc, 8);
-    std::memcpy(&mn64, mn, 8);
+    uint64_t sc, mn;
+    k_scales(block + 4, &sc, &mn);
     scales = _mm256_mul_ps(_mm256_set1_ps(fp16(block)),
-                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc64))));
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))));
     mins = _mm256_mul_ps(_mm256_set1_ps(fp16(block + 2)),
-                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn64))));
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
   }
   __m256i u(int c) const {
     constexpr int64_t qs = Q == kQ5_K ? 48 : 16;
@@ -355,7 +360,8 @@ void dequantize_row(const uint8_t* src, int64_t K, float* y) {
       const __m256 scale = g.s(c);
       for (int h = 0; h < 4; ++h) {  // eight values: lanes 2h and 2h + 1
         const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 8 * h));
-        const __m256i q = _mm256_sub_epi32(signed_u ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes), offset);
+        const __m256i wide = signed_u ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+        const __m256i q = _mm256_sub_epi32(wide, offset);
         const __m256 s8 = _mm256_permutevar8x32_ps(scale, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1,
                                                                              2 * h + 1, 2 * h + 1, 2 * h + 1));
         __m256 v = _mm256_mul_ps(s8, _mm256_cvtepi32_ps(q));
@@ -422,12 +428,12 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
 template <int Q, int NW, int MX>
 void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
                float (*res)[4]) {
+  static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
   using G = Group<Q>;
   constexpr int64_t bytes = layout(Q).bytes;
   FV acc[NW][MX];
-  __m256 macc[NW][MX];
   for (int j = 0; j < NW; ++j)
-    for (int m = 0; m < MX; ++m) acc[j][m] = fzero(), macc[j][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MX; ++m) acc[j][m] = fzero();
   const int64_t Kp = a.Kp;
   // A step covers max(one group, one vector) of values: two q8_0 / q4_0 blocks per 512-bit vector.
   constexpr int64_t per_step = std::max<int64_t>(G::values, kVecValues);
@@ -468,33 +474,29 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
         }
       }
     }
-    if constexpr (has_mins(Q))
-      for (int j = 0; j < NW; ++j)
-        for (int m = 0; m < MX; ++m)
-          macc[j][m] = _mm256_fmadd_ps(ga[j].mins, _mm256_loadu_ps(a.sums.data() + ((m0 + m) * Kp + k) / kChunk),
-                                       macc[j][m]);
+    if constexpr (has_mins(Q))  // - sum_c min_c * dx * sum(qx of chunk c), in the lanes of the accumulator
+      for (int m = 0; m < MX; ++m) {
+        const FV sums = widen(_mm256_loadu_ps(a.sums.data() + ((m0 + m) * Kp + k) / kChunk));
+        for (int j = 0; j < NW; ++j) acc[j][m] = fma(widen(ga[j].mins), -sums, acc[j][m]);
+      }
   }
   for (int j = 0; j < NW; ++j)
-    for (int m = 0; m < MX; ++m) {
-      float r = reduce(acc[j][m]);
-      if constexpr (has_mins(Q)) {
-        vec8 mv;
-        std::memcpy(&mv, &macc[j][m], sizeof mv);
-        r -= hsum(mv);
-      }
-      res[m][j] = r;
-    }
+    for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]);
 }
 
-// Output columns [n0, n0 + NW) for all M rows, up to four rows of x at a time.
+// Output columns [n0, n0 + NW) for all M rows, up to kRowsX rows of x at a time.
 template <int Q, int NW, typename T>
 void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out, int64_t out_stride,
              int64_t M, int64_t K, int64_t n0) {
-  float res[4][4];
+  float res[kRowsX][4];
   const uint8_t* w0 = w + n0 * row_bytes;
   for (int64_t m0 = 0, mx; m0 < M; m0 += mx) {
-    mx = std::min<int64_t>(4, M - m0);
+    mx = std::min<int64_t>(kRowsX, M - m0);
     switch (mx) {
+      case 8: dot_block<Q, NW, 8>(w0, row_bytes, a, m0, K, res); break;
+      case 7: dot_block<Q, NW, 7>(w0, row_bytes, a, m0, K, res); break;
+      case 6: dot_block<Q, NW, 6>(w0, row_bytes, a, m0, K, res); break;
+      case 5: dot_block<Q, NW, 5>(w0, row_bytes, a, m0, K, res); break;
       case 4: dot_block<Q, NW, 4>(w0, row_bytes, a, m0, K, res); break;
       case 3: dot_block<Q, NW, 3>(w0, row_bytes, a, m0, K, res); break;
       case 2: dot_block<Q, NW, 2>(w0, row_bytes, a, m0, K, res); break;
