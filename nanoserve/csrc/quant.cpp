@@ -180,6 +180,7 @@ inline void dequantize_row_scalar(int qtype, const uint8_t* src, int64_t K, floa
 // --- The SIMD path: chunks of 32 values of a row of W as 32 unsigned bytes and 8 lane scales.
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define NANOSERVE_QUANT_ZMM 1  // the k-quant groups unpack two chunks at once (uv, sv)
 constexpr int kIsa = 3;
 constexpr bool kSignTrick = false;
 typedef __m512i IV;  // 64 bytes: two chunks
@@ -265,6 +266,10 @@ struct Group<kQ8_0> {  // one block
     return kSignTrick ? q : _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
   }
   __m256 s(int) const { return scale; }
+#if !defined(NANOSERVE_QUANT_ZMM)  // a vector is this one block
+  IV uv(int) const { return u(0); }
+  FV sv(int) const { return scale; }
+#endif
 };
 
 template <>
@@ -280,6 +285,10 @@ struct Group<kQ4_0> {  // one block
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
   }
   __m256 s(int) const { return scale; }
+#if !defined(NANOSERVE_QUANT_ZMM)  // a vector is this one block
+  IV uv(int) const { return u(0); }
+  FV sv(int) const { return scale; }
+#endif
 };
 
 // q4_k and q5_k: scales d * sc[c] and mins dmin * mn[c] per chunk c.
@@ -309,6 +318,30 @@ struct KGroup {
     return n;
   }
   __m256 s(int c) const { return lanes_of(scales, c); }
+#if defined(NANOSERVE_QUANT_ZMM)
+  IV uv(int v) const {  // chunks 2v (low nibbles) and 2v + 1 (high nibbles) of the same 32 bytes
+    constexpr int64_t qs = Q == kQ5_K ? 48 : 16;
+    const __m512i q = _mm512_broadcast_i64x4(load32(p + qs + 32 * v));
+    const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i n = _mm512_and_si512(_mm512_srlv_epi16(q, halves), _mm512_set1_epi8(0x0f));
+    if constexpr (Q == kQ5_K) {
+      const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * v))),
+                                               _mm256_set1_epi16(static_cast<int16_t>(2 * v + 1)), 1);
+      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p + 16)), shift),
+                                           _mm512_set1_epi8(1));
+      return _mm512_or_si512(n, _mm512_slli_epi16(bit, 4));
+    }
+    return n;
+  }
+  FV sv(int v) const {
+    const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * v)),
+                                             _mm256_set1_epi32(2 * v + 1), 1);
+    return _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(scales));
+  }
+#else
+  IV uv(int v) const { return u(v); }
+  FV sv(int v) const { return s(v); }
+#endif
 };
 template <>
 struct Group<kQ4_K> : KGroup<kQ4_K> {
@@ -343,6 +376,27 @@ struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0
     const int i = 2 * (c % 4);
     return _mm256_permutevar8x32_ps(scales[c / 4], _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
   }
+#if defined(NANOSERVE_QUANT_ZMM)
+  IV uv(int v) const {  // chunks 2v, 2v + 1: groups g, g + 1 of half v / 2 (g = 2 (v % 2)), ql runs 0 and 1
+    const int h = v / 2, g = 2 * (v % 2);
+    const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+    const __m512i low = _mm512_and_si512(g == 0 ? ql : _mm512_srli_epi16(ql, 4), _mm512_set1_epi8(0x0f));
+    const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * g))),
+                                             _mm256_set1_epi16(static_cast<int16_t>(2 * g + 2)), 1);
+    const __m512i top = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p + 128 + 32 * h)), shift),
+                                         _mm512_set1_epi8(3));
+    return _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
+  }
+  FV sv(int v) const {  // lane l: scale 4v + l / 4
+    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * v),
+                                           _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                               12, 13, 14, 15), 2));
+    return _mm512_permutexvar_ps(lanes, join(scales[0], scales[1]));
+  }
+#else
+  IV uv(int v) const { return u(v); }
+  FV sv(int v) const { return s(v); }
+#endif
 };
 
 // One row of W [K] as floats through the groups' chunks: value = s * (u - offset) - min, the
@@ -454,9 +508,8 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
       FV s[NW];
       for (int j = 0; j < NW; ++j) {
         if constexpr (groups_per_step == 1) {
-          const int c = static_cast<int>(v * kChunksPerVec);
-          u[j] = join(ga[j].u(c), ga[j].u(c + 1));
-          s[j] = join(ga[j].s(c), ga[j].s(c + 1));
+          u[j] = ga[j].uv(static_cast<int>(v));
+          s[j] = ga[j].sv(static_cast<int>(v));
         } else {  // two one-chunk groups in one vector
           u[j] = join(ga[j].u(0), pair ? gb[j].u(0) : _mm256_setzero_si256());
           s[j] = join(ga[j].s(0), pair ? gb[j].s(0) : _mm256_setzero_ps());
