@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:
     """Loads the model (unless given) and the draft model (if any), and sizes the engine for them."""
     if loaded is None:
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     device = torch.device(args.device)
     loaded.model.ops = select_layer_ops(args.attention_backend, device, loaded.model.dtype)
     draft = _load_draft(args, loaded, device) if args.spec_method == "draft" else None
