@@ -196,7 +196,6 @@ inline FV fma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
 inline FV mul(FV a, FV b) { return _mm512_mul_ps(a, b); }
 inline FV to_fp32(IV a) { return _mm512_cvtepi32_ps(a); }
 inline float reduce(FV a) { return _mm512_reduce_add_ps(a); }
-inline FV widen(__m256 a) { return _mm512_zextps256_ps512(a); }  // upper lanes zero
 inline IV sign_mul(IV, IV) { return IV{}; }  // unused: kSignTrick is false
 inline IV abs8(IV a) { return a; }
 #else
@@ -232,7 +231,6 @@ inline float reduce(FV a) {
   std::memcpy(&v, &a, sizeof v);
   return hsum(v);
 }
-inline FV widen(__m256 a) { return a; }
 inline IV sign_mul(IV w, IV x) { return _mm256_sign_epi8(w, x); }  // w * sign(x), lane by lane
 inline IV abs8(IV a) { return _mm256_abs_epi8(a); }
 #endif
@@ -291,21 +289,48 @@ struct Group<kQ4_0> {  // one block
 #endif
 };
 
-// q4_k and q5_k: scales d * sc[c] and mins dmin * mn[c] per chunk c.
+// q4_k and q5_k: scales d * sc[c] and mins dmin * mn[c] per chunk c, in lanes 0-7 and 8-15 of
+// `both` (512-bit vectors) or in `scales` and `mins`. min_lanes() holds the mins in the lanes where
+// place_sums puts the activation's chunk sums (the rest zero there).
 template <int Q>
 struct KGroup {
   static constexpr int64_t values = 256;
   const uint8_t* p;
-  __m256 scales, mins;
+#if defined(NANOSERVE_QUANT_ZMM)
+  __m512 both;
   KGroup() = default;
   explicit KGroup(const uint8_t* block) : p(block) {
     uint64_t sc, mn;
     k_scales(block + 4, &sc, &mn);
-    scales = _mm256_mul_ps(_mm256_set1_ps(fp16(block)),
+    const __m512 ints = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<int64_t>(mn), static_cast<int64_t>(sc))));
+    uint32_t d_dmin;
+    std::memcpy(&d_dmin, block, sizeof d_dmin);
+    const __m512 factors = _mm512_permutexvar_ps(  // d in lanes 0-7, dmin in 8-15
+        _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+        _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_dmin)))));
+    both = _mm512_mul_ps(factors, ints);
+  }
+  __m256 scales() const { return _mm512_castps512_ps256(both); }
+  __m256 mins() const { return _mm512_extractf32x8_ps(both, 1); }
+  FV min_lanes() const { return both; }
+  static FV place_sums(__m256 sums) { return _mm512_insertf32x8(_mm512_setzero_ps(), sums, 1); }
+#else
+  __m256 scale8, min8;
+  KGroup() = default;
+  explicit KGroup(const uint8_t* block) : p(block) {
+    uint64_t sc, mn;
+    k_scales(block + 4, &sc, &mn);
+    scale8 = _mm256_mul_ps(_mm256_set1_ps(fp16(block)),
                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))));
-    mins = _mm256_mul_ps(_mm256_set1_ps(fp16(block + 2)),
+    min8 = _mm256_mul_ps(_mm256_set1_ps(fp16(block + 2)),
                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
   }
+  __m256 scales() const { return scale8; }
+  __m256 mins() const { return min8; }
+  FV min_lanes() const { return min8; }
+  static FV place_sums(__m256 sums) { return sums; }
+#endif
   __m256i u(int c) const {
     constexpr int64_t qs = Q == kQ5_K ? 48 : 16;
     const __m256i q = load32(p + qs + 32 * (c / 2));
@@ -317,7 +342,7 @@ struct KGroup {
     }
     return n;
   }
-  __m256 s(int c) const { return lanes_of(scales, c); }
+  __m256 s(int c) const { return lanes_of(scales(), c); }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v (low nibbles) and 2v + 1 (high nibbles) of the same 32 bytes
     constexpr int64_t qs = Q == kQ5_K ? 48 : 16;
@@ -336,7 +361,7 @@ struct KGroup {
   FV sv(int v) const {
     const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * v)),
                                              _mm256_set1_epi32(2 * v + 1), 1);
-    return _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(scales));
+    return _mm512_permutexvar_ps(lanes, both);
   }
 #else
   IV uv(int v) const { return u(v); }
@@ -419,7 +444,7 @@ void dequantize_row(const uint8_t* src, int64_t K, float* y) {
         const __m256 s8 = _mm256_permutevar8x32_ps(scale, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1,
                                                                              2 * h + 1, 2 * h + 1, 2 * h + 1));
         __m256 v = _mm256_mul_ps(s8, _mm256_cvtepi32_ps(q));
-        if constexpr (has_mins(Q)) v = _mm256_sub_ps(v, lanes_of(g.mins, c));
+        if constexpr (has_mins(Q)) v = _mm256_sub_ps(v, lanes_of(g.mins(), c));
         _mm256_storeu_ps(y + gi * G::values + c * kChunk + 8 * h, v);
       }
     }
@@ -529,8 +554,8 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
     }
     if constexpr (has_mins(Q))  // - sum_c min_c * dx * sum(qx of chunk c), in the lanes of the accumulator
       for (int m = 0; m < MX; ++m) {
-        const FV sums = widen(_mm256_loadu_ps(a.sums.data() + ((m0 + m) * Kp + k) / kChunk));
-        for (int j = 0; j < NW; ++j) acc[j][m] = fma(widen(ga[j].mins), -sums, acc[j][m]);
+        const FV sums = G::place_sums(_mm256_loadu_ps(a.sums.data() + ((m0 + m) * Kp + k) / kChunk));
+        for (int j = 0; j < NW; ++j) acc[j][m] = fma(ga[j].min_lanes(), -sums, acc[j][m]);
       }
   }
   for (int j = 0; j < NW; ++j)
