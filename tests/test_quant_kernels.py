@@ -14,6 +14,7 @@ to the same bound.
 from __future__ import annotations
 
 import ctypes
+import shutil
 from collections.abc import Iterator
 
 import gguf.quants
@@ -33,6 +34,7 @@ from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps
 from nanoserve.model.weight_formats import DenseWeight
 from nanoserve.native import load_cpu_kernels
 
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 FORMATS = list(BLOCK_FORMATS)
 # Byte offsets of each format's fp16 scales within a block.
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
@@ -56,7 +58,7 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-@pytest.fixture(scope="module", params=[name for name, _ in _builds()])
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=needs_compiler) for name, _ in _builds()])
 def build(request: pytest.FixtureRequest) -> tuple[str, ctypes.CDLL]:
     isa = dict(_builds())[request.param]
     flags = _cpu_flags()
@@ -65,8 +67,7 @@ def build(request: pytest.FixtureRequest) -> tuple[str, ctypes.CDLL]:
     if request.param == "no-avx2" and "avx2" not in flags:
         pytest.skip("this CPU has no AVX2: the native build is the scalar path already")
     built = load_cpu_kernels(isa=isa)
-    if built is None:
-        pytest.skip("no C++ compiler")
+    assert built is not None, f"g++ is installed, so the library must build with {isa}"
     return request.param, built
 
 
@@ -195,6 +196,7 @@ def test_k_quants_cannot_be_quantized_here() -> None:
         BlockQuantWeight.empty("q4_k", 2, 256).copy_(torch.zeros(2, 256))
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_layer_ops_products_of_quantized_and_stacked_weights(dtype: torch.dtype) -> None:
     """CpuLayerOps.linear on a stacked weight (q4_k, a dense part, q6_k, with a bias) against the
