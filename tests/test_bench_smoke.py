@@ -340,5 +340,5 @@ def test_bench_quant(tmp_path, capsys, monkeypatch, demo_dir):
             memory = run["memory"]
             assert 0 < memory["baseline"] <= memory["loaded"] <= memory["peak"]
     text = capsys.readouterr().out
-    assert "1-stream ns" in text and "(peak-base)/(file+KV)" in text and "Q8_0 / BF16 decode tok/s" in text
+    assert "1-stream ns" in text and "(loaded-base)/(file+KV)" in text and "Q8_0 / BF16 decode tok/s" in text
     assert (out / "quant-qwen3-0.6b.png").stat().st_size > 0
