@@ -252,6 +252,19 @@ constexpr bool has_mins(int qtype) { return qtype == kQ4_K || qtype == kQ5_K; }
 template <int Q>
 struct Group;
 
+#if defined(NANOSERVE_QUANT_ZMM)
+// The lane scales of a vector of two 32-value blocks whose fp16 scale is their first two bytes: d of
+// the block at a in lanes 0-7, of the block at b (null: 0) in lanes 8-15; one conversion for both.
+inline FV scales_of_two(const uint8_t* a, const uint8_t* b) {
+  uint16_t da, db = 0;
+  std::memcpy(&da, a, sizeof da);
+  if (b != nullptr) std::memcpy(&db, b, sizeof db);
+  const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | static_cast<uint32_t>(db) << 16)));
+  return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+                               _mm512_castps128_ps512(both));
+}
+#endif
+
 template <>
 struct Group<kQ8_0> {  // one block
   static constexpr int64_t values = 32;
@@ -264,7 +277,9 @@ struct Group<kQ8_0> {  // one block
     return kSignTrick ? q : _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
   }
   __m256 s(int) const { return scale; }
-#if !defined(NANOSERVE_QUANT_ZMM)  // a vector is this one block
+#if defined(NANOSERVE_QUANT_ZMM)  // a vector is two blocks: this one at a, the next at b (null: none)
+  static FV pair_scales(const uint8_t* a, const uint8_t* b) { return scales_of_two(a, b); }
+#else  // a vector is this one block
   IV uv(int) const { return u(0); }
   FV sv(int) const { return scale; }
 #endif
@@ -283,7 +298,9 @@ struct Group<kQ4_0> {  // one block
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
   }
   __m256 s(int) const { return scale; }
-#if !defined(NANOSERVE_QUANT_ZMM)  // a vector is this one block
+#if defined(NANOSERVE_QUANT_ZMM)  // a vector is two blocks: this one at a, the next at b (null: none)
+  static FV pair_scales(const uint8_t* a, const uint8_t* b) { return scales_of_two(a, b); }
+#else  // a vector is this one block
   IV uv(int) const { return u(0); }
   FV sv(int) const { return scale; }
 #endif
@@ -536,8 +553,9 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
           u[j] = ga[j].uv(static_cast<int>(v));
           s[j] = ga[j].sv(static_cast<int>(v));
         } else {  // two one-chunk groups in one vector
+          const uint8_t* row = w + j * row_bytes + g0 * bytes;
           u[j] = join(ga[j].u(0), pair ? gb[j].u(0) : _mm256_setzero_si256());
-          s[j] = join(ga[j].s(0), pair ? gb[j].s(0) : _mm256_setzero_ps());
+          s[j] = G::pair_scales(row, pair ? row + bytes : nullptr);
         }
       }
       const int64_t at = k + v * kVecValues;
