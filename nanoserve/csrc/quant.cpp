@@ -34,7 +34,10 @@
 // Structure (as linear.cpp): output columns shared among OpenMP threads in tasks of 64 rows of W;
 // in a task, W's rows in groups of NW (four for one row of x, two for more) against the rows of x in
 // groups of up to eight; each group of W's blocks is unpacked into registers once per group of x
-// rows and read from L1 for the next, so W streams from memory once per call.
+// rows and read from L1 for the next, so W streams from memory once per call. These products are
+// for a few dozen rows of x at most: where a GEMM on bf16 / fp32 is much faster per multiply-add
+// than the int8 lanes here, CpuLayerOps multiplies tiles of W dequantized by dequantize_rows instead
+// (see nanoserve/model/layer_ops.py for the cut).
 //
 // Layouts: x [M, K] contiguous; bias [N] or null (x's type); out row m at out + m * out_stride
 // (out_stride >= N: a fused matrix's parts write column slices of one output).

@@ -94,8 +94,9 @@ class QuantizedRows:
 class BlockQuantWeight(LinearWeight):
     """W stored in a GGUF block format (`format`, a key of BLOCK_FORMATS): the uint8 buffer
     `blocks` [out_features, row_bytes], each row the bytes of one output feature's row as GGUF
-    lays it out. `dtype` is the model's dtype: what `dequantize` of its rows and the embedding
-    gather give by default (products come out in the dtype of x)."""
+    lays it out. `dtype` is the model's dtype, fixed at construction (`.to()` moves the blocks and
+    leaves it): what `dequantize` of its rows and the embedding gather give by default (products
+    come out in the dtype of x)."""
 
     def __init__(self, fmt: str, blocks: torch.Tensor, in_features: int, dtype: torch.dtype) -> None:
         """Wraps `blocks` (shared, not copied); ValueError unless it is uint8 [out, row_bytes]."""
