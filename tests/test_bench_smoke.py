@@ -335,7 +335,8 @@ def test_bench_quant(tmp_path, capsys, monkeypatch, demo_dir):
         for run in f["engines"].values():
             assert len(run["singles"]) == 2 and run["single_decode_tokens_per_s"] > 0
             assert all(s["decode_tokens"] == 3 for s in run["singles"])  # 4 output tokens, the first from prefill
-            assert run["batches"]["2"]["decode_tokens"] == 2 * 2 and run["batches"]["2"]["decode_tokens_per_s"] > 0
+            batch = run["batches"]["2"]
+            assert batch["decode_tokens"] == 2 * 2 and batch["decode_tokens_per_s"] > 0 and batch["preemptions"] == 0
             assert run["single_bandwidth_fraction"] > 0
             memory = run["memory"]
             assert 0 < memory["baseline"] <= memory["loaded"] <= memory["peak"]

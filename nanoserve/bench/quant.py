@@ -14,8 +14,8 @@ own) loads the file once and measures, greedy with EOS ignored:
   tokens each; only the steps in which every sequence decodes are timed;
 - resident memory from /proc/self/status (Linux): before loading (the interpreter, torch and the
   engine's library), after loading and one warm-up, and the peak (VmHWM) of the whole process.
-  nanoserve's KV pool and llama.cpp's contexts hold `kv_tokens` tokens at most (the largest batch),
-  2 bytes a value in both, so peak - baseline is compared with file size + that KV.
+  nanoserve's KV pool and llama.cpp's contexts hold the largest batch's tokens (`kv_blocks`), 2 bytes
+  a value in both, so resident memory less the baseline is compared with file size + that KV.
 
 The roofline fraction of a single-stream run is decode tok/s x the bytes of the file's weights
 that one decode step reads (every tensor but an untied input embedding, of which a step reads one
@@ -77,7 +77,7 @@ class QuantBenchConfig:
     engines: tuple[str, ...] = ENGINES
     prompt_len: int = 16
     single_tokens: int = 64
-    batch_tokens: int = 32
+    batch_tokens: int = 16
     batch_sizes: tuple[int, ...] = (16, 64)
     repeats: int = 1
     threads: int = 2
@@ -110,10 +110,11 @@ class QuantBenchConfig:
         return self.prompt_len + max(self.single_tokens, self.batch_tokens)
 
     @property
-    def kv_tokens(self) -> int:
-        """Tokens of KV the largest run holds at once (what both engines size their caches for)."""
-        return max([self.prompt_len + self.single_tokens]
-                   + [b * (self.prompt_len + self.batch_tokens) for b in self.batch_sizes])
+    def kv_blocks(self) -> int:
+        """KV blocks of BLOCK_SIZE tokens the largest run holds at once: nanoserve's pool, and what
+        llama.cpp's context for the largest batch holds (within a block per sequence)."""
+        return max([blocks_needed(self.prompt_len + self.single_tokens, BLOCK_SIZE)]
+                   + [b * blocks_needed(self.prompt_len + self.batch_tokens, BLOCK_SIZE) for b in self.batch_sizes])
 
 
 # --- the files --------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class Job:
     seed: int
     dtype: str
     max_model_len: int
-    kv_tokens: int
+    kv_blocks: int  # nanoserve's pool
     engine_options: tuple[tuple[str, Any], ...]
     extra_buffers: bool  # llama.cpp's use_extra_bufts
 
@@ -264,9 +265,7 @@ def _run_nanoserve(job: Job) -> EngineResult:
     start = time.perf_counter()
     largest = max([1] + [len(w.prompts) for w in job.batches])
     args = EngineArgs(model=job.gguf, dtype=job.dtype, max_model_len=job.max_model_len, max_num_seqs=largest,
-                      num_kv_blocks=max(blocks_needed(job.kv_tokens, BLOCK_SIZE),
-                                        largest * blocks_needed(job.max_model_len, BLOCK_SIZE)),
-                      block_size=BLOCK_SIZE, seed=job.seed, **dict(job.engine_options))
+                      num_kv_blocks=job.kv_blocks, block_size=BLOCK_SIZE, seed=job.seed, **dict(job.engine_options))
     engine = build_engine(args)
     warm_up(engine, job.seed)
     load_s = time.perf_counter() - start
@@ -513,14 +512,14 @@ def run_quant_bench(cfg: QuantBenchConfig, progress: bool = True) -> QuantReport
         model_cfg = ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
         singles, batches = _workloads(cfg, _prompt_vocab(model_dir, model_cfg))
         per_token = 2 * model_cfg.num_hidden_layers * model_cfg.num_key_value_heads * model_cfg.head_dim
-        kv_bytes = per_token * _KV_ELEMENT_BYTES * cfg.kv_tokens
+        kv_bytes = per_token * _KV_ELEMENT_BYTES * cfg.kv_blocks * BLOCK_SIZE
         if report.roofline is None and cfg.roofline:
             report.roofline = measure_roofline(torch.bfloat16, model_cfg.hidden_size)
         for fmt, path in quant_files(model_dir, cfg.formats, cfg.threads).items():
             result = FileResult(FileInfo.of(shape, fmt, path), kv_bytes)
             for engine in cfg.engines:
                 job = Job(engine, str(path), singles, batches, cfg.threads, cfg.seed, cfg.dtype, cfg.max_model_len,
-                          cfg.kv_tokens, tuple(sorted(cfg.engine_options.items())), extra_buffers)
+                          cfg.kv_blocks, tuple(sorted(cfg.engine_options.items())), extra_buffers)
                 result.results[engine] = run_isolated(job)
                 if progress:
                     r = result.results[engine]
