@@ -587,7 +587,7 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
 template <int Q, int NW, typename T>
 void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out, int64_t out_stride,
              int64_t M, int64_t K, int64_t n0) {
-  float res[kRowsX][4];
+  float res[kRowsX][4] = {};  // (initialised only to quiet -Wmaybe-uninitialized)
   const uint8_t* w0 = w + n0 * row_bytes;
   for (int64_t m0 = 0, mx; m0 < M; m0 += mx) {
     mx = std::min<int64_t>(kRowsX, M - m0);
