@@ -438,7 +438,7 @@ class QuantReport:
                         peers += [{"peer": label, "batch": b, "output_tokens_per_s": v} for b, v in points]
             path = out_dir / f"quant-{shape}.png"
             plot_throughput(runs, peers, path, f"{shape} shape (random weights): decode tok/s, nanoserve vs "
-                                               f"llama.cpp on the same GGUF files, {self.config.threads} threads, "
+                                               f"llama.cpp on the same GGUF files, {self.config.threads} thread(s), "
                                                f"{self.machine['cpu']}")
             paths.append(path)
         return paths
