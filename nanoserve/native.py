@@ -1,8 +1,10 @@
 """nanoserve's CPU kernel library: the C++ in `csrc/`, compiled at first use and loaded with ctypes.
 
-The sources (`paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`, and `decoder.cpp`, which composes
-the other three; headers `simd.h` and `kernels.h`) include no torch header and need no ninja: one
-`g++ -O3 -march=native -fopenmp` call builds them.
+The sources (`paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`, `quant.cpp` (products with GGUF
+block-quantized weights), and `decoder.cpp`, which composes the others; headers `simd.h` and
+`kernels.h`) include no torch header and need no ninja: one `g++ -O3 -march=native -fopenmp` call
+builds them. The instruction set flags (`-march=native` by default) are a parameter, so that tests
+can build the same sources for an older CPU (e.g. without VNNI) beside the native build.
 OpenMP resolves to the libgomp that torch has already loaded (same soname). The library goes to
 $NANOSERVE_CACHE/kernels under a name that hashes the sources, the flags, the compiler's version and
 the CPU's feature flags (it is built for the CPU it runs on); it is written under a temporary name
@@ -40,19 +42,35 @@ from nanoserve.cache import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "linear.cpp", "decoder.cpp"))
+SOURCES = tuple(CSRC / name for name in (
+    "paged_attention.cpp", "layer_ops.cpp", "linear.cpp", "quant.cpp", "decoder.cpp"))
 HEADERS = (CSRC / "simd.h", CSRC / "kernels.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+NATIVE_ISA = ("-march=native",)  # the instruction set flags of the build for this CPU
 # The element types the kernels are built for, and the suffix of each entry point's name.
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-class LayerWeights(ctypes.Structure):
-    """kernels.h's LayerWeights: one decoder layer's parameter addresses (None for a parameter the
-    family lacks), each weight dense in the model's dtype."""
+class MatrixPart(ctypes.Structure):
+    """kernels.h's MatrixPart: `rows` rows of a matrix, dense in the model's dtype (qtype -1) or GGUF
+    blocks of type `qtype`, at `data`."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down")]
+    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64), ("qtype", ctypes.c_int64)]
+
+
+class Matrix(ctypes.Structure):
+    """kernels.h's Matrix: one to three MatrixParts stacked by rows."""
+
+    _fields_ = [("parts", MatrixPart * 3), ("num_parts", ctypes.c_int64)]
+
+
+class LayerWeights(ctypes.Structure):
+    """kernels.h's LayerWeights: one decoder layer's vector addresses (None for a parameter the
+    family lacks) and matrices."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("qkv", Matrix), ("qkv_bias", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("o_proj", Matrix),
+                ("post_norm", ctypes.c_void_p), ("gate_up", Matrix), ("down", Matrix)]
 
 
 class Signature(NamedTuple):
@@ -74,6 +92,9 @@ _PER_DTYPE = {
     "nanoserve_silu_mul": Signature(None, (_PTR, _PTR, _I64, _I64, _INT)),
     # linear.cpp
     "nanoserve_linear": Signature(None, (_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT)),
+    # quant.cpp
+    "nanoserve_quant_linear": Signature(_INT, (_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT)),
+    "nanoserve_dequantize_rows": Signature(_INT, (_PTR, _INT, _I64, _I64, _PTR, _I64, _PTR, _INT)),
     # paged_attention.cpp
     "nanoserve_paged_attention": Signature(_INT, (_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                   _I64, _I64, _I64, _F32, _INT)),
@@ -90,25 +111,27 @@ _PER_DTYPE = {
 SIGNATURES: dict[str, Signature] = {
     **{f"{name}_{suffix}": sig for name, sig in _PER_DTYPE.items() for suffix in DTYPE_SUFFIX.values()},
     "nanoserve_linear_bf16_native": Signature(_INT, ()),  # linear.cpp
+    "nanoserve_quant_isa": Signature(_INT, ()),  # quant.cpp
 }
 
 
-def load_cpu_kernels(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+def load_cpu_kernels(cache_dir: Path | None = None, isa: tuple[str, ...] = NATIVE_ISA) -> ctypes.CDLL | None:
     """The library (compiled first if this machine has no build of the current sources yet), its
     entry points declared as `SIGNATURES` says; None (with a warning) when it cannot be built or
-    loaded. Cached: later calls with the same compiler ($CXX) and cache folder return the same object."""
-    return _load(os.environ.get("CXX", "g++"), (cache_dir or cache_root()) / "kernels")
+    loaded. `isa`: the instruction set flags to build for (a CPU this one can run). Cached: later
+    calls with the same compiler ($CXX), cache folder and flags return the same object."""
+    return _load(os.environ.get("CXX", "g++"), (cache_dir or cache_root()) / "kernels", isa)
 
 
 @functools.cache
-def _load(compiler: str, folder: Path) -> ctypes.CDLL | None:
+def _load(compiler: str, folder: Path, isa: tuple[str, ...]) -> ctypes.CDLL | None:
     if shutil.which(compiler) is None:
         log.warning("no C++ compiler (%s) found; nanoserve's CPU kernels are off", compiler)
         return None
     try:
-        path = folder / f"nanoserve_cpu-{_build_key(compiler)}.so"
+        path = folder / f"nanoserve_cpu-{_build_key(compiler, isa)}.so"
         if not path.exists():
-            _compile(compiler, path)
+            _compile(compiler, isa, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
@@ -121,25 +144,26 @@ def _load(compiler: str, folder: Path) -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _build_key(compiler: str) -> str:
+def _build_key(compiler: str, isa: tuple[str, ...]) -> str:
     """What names a build: a hash of the sources, the flags, the compiler's version and the CPU's
     features. Raises CalledProcessError when the compiler does not run."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), " ".join(FLAGS).encode(), version.encode(),
+    for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), " ".join((*FLAGS, *isa)).encode(), version.encode(),
                  _cpu_features().encode()):
         key.update(part)
     return key.hexdigest()[:16]
 
 
-def _compile(compiler: str, path: Path) -> None:
+def _compile(compiler: str, isa: tuple[str, ...], path: Path) -> None:
     """Builds the library under a temporary name beside `path` and renames it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
         log.info("compiling nanoserve's CPU kernels into %s (first use)", path)
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *FLAGS, *isa, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+                       check=True)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)

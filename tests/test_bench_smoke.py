@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -301,3 +302,44 @@ def test_spec_bench(tmp_path, capsys, speculation):
         assert 0 <= r["acceptance_rate"] <= 1 and r["mean_accepted_length"] >= 1
     text = capsys.readouterr().out
     assert "repeats=2 (medians)" in text and "speed-up" in text
+
+
+# --- bench quant -------------------------------------------------------------------------------------------
+
+# Widths that are multiples of 256, so that llama.cpp's Q4_K_M file really holds Q4_K blocks.
+QUANT_SHAPE = {"num_hidden_layers": 1, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 4096}
+
+
+def test_bench_quant(tmp_path, capsys, monkeypatch, demo_dir):
+    """`bench quant` on a tiny shape: a row per file, both engines' rates, memory and roofline
+    fractions sane; llama.cpp and the Q4_K_M file only where llama-cpp-python is installed."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr("nanoserve.model.demo.demo_model_path", lambda: demo_dir)
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    formats = ["BF16", "Q8_0"] + (["Q4_K_M"] if llama else [])
+    engines = ["nanoserve"] + (["llama.cpp"] if llama else [])
+    out = tmp_path / "out"
+    assert main(["--log-level", "WARNING", "bench", "quant", "--model-shape", "qwen3-0.6b", "--shape-override",
+                 *(f"{k}={v}" for k, v in QUANT_SHAPE.items()), "--formats", *(f.lower() for f in formats),
+                 "--engines", *engines, "--single-tokens", "4", "--batch-tokens", "3", "--batch-sizes", "2",
+                 "--repeats", "2", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads((out / "quant.json").read_text())
+    files = result["files"]
+    assert [f["format"] for f in files] == formats and {f["shape"] for f in files} == {"qwen3-0.6b"}
+    sizes = [f["file_bytes"] for f in files]
+    assert sizes == sorted(sizes, reverse=True)  # BF16 > Q8_0 > Q4_K_M
+    assert result["roofline"]["bandwidth"] > 0 and result["machine"]["cpu"]
+    for f in files:
+        assert list(f["engines"]) == engines and 0 < f["weight_bytes"] <= f["file_bytes"] and f["kv_bytes"] > 0
+        for run in f["engines"].values():
+            assert len(run["singles"]) == 2 and run["single_decode_tokens_per_s"] > 0
+            assert all(s["decode_tokens"] == 3 for s in run["singles"])  # 4 output tokens, the first from prefill
+            batch = run["batches"]["2"]
+            assert batch["decode_tokens"] == 2 * 2 and batch["decode_tokens_per_s"] > 0 and batch["preemptions"] == 0
+            assert run["single_bandwidth_fraction"] > 0
+            memory = run["memory"]
+            assert 0 < memory["baseline"] <= memory["loaded"] <= memory["peak"]
+    text = capsys.readouterr().out
+    assert "1-stream ns" in text and "(loaded-base)/(file+KV)" in text and "Q8_0 / BF16 decode tok/s" in text
+    assert (out / "quant-qwen3-0.6b.png").stat().st_size > 0

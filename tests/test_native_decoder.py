@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 from collections import Counter
+from typing import cast
 
 import pytest
 import torch
@@ -26,13 +27,14 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.builder import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model import families, load_model
+from nanoserve.model.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.demo import demo_draft_path
 from nanoserve.model.layer_ops import NATIVE_BF16_M, SMALL_M, CpuLayerOps, TorchLayerOps
 from nanoserve.model.loader import iter_safetensors, safetensors_files
 from nanoserve.model.native_decoder import NativeDecoder
-from nanoserve.model.weight_formats import LinearWeight, UnsupportedWeightFormat
+from nanoserve.model.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
 from nanoserve.model.weights import load_weights
 from nanoserve.native import load_cpu_kernels
 
@@ -108,6 +110,84 @@ def test_same_bits_as_the_python_forward(make_checkpoint, kernels, family, dtype
             assert torch.equal(kv_native, kv), specs
     finally:
         torch.set_num_threads(before)
+
+
+def _random_blocks(fmt: str, rows: int, in_features: int, dtype: torch.dtype, g: torch.Generator) -> BlockQuantWeight:
+    """A weight of random valid blocks: random bytes, fp16 scales in +-[1e-4, 5e-4]."""
+    w = BlockQuantWeight.empty(fmt, rows, in_features, dtype)
+    w.blocks.copy_(torch.randint(0, 256, w.blocks.shape, generator=g, dtype=torch.uint8))
+    blocks = w.blocks.view(-1, BLOCK_FORMATS[fmt].type_size)
+    for at in {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}.get(fmt, (0,)):
+        scales = (torch.rand(blocks.shape[0], generator=g) * 4e-4 + 1e-4) * (torch.randint(0, 2, (blocks.shape[0],),
+                                                                                            generator=g) * 2 - 1)
+        blocks[:, at:at + 2] = scales.to(torch.float16).view(torch.uint8).view(-1, 2)
+    return w
+
+
+def _quantized(dense: LinearWeight, fmt: str, dtype: torch.dtype, g: torch.Generator) -> LinearWeight:
+    """`dense` in `fmt`: its values quantized (q8_0, q4_0), random blocks (k-quants), or as it is."""
+    if fmt == "dense":
+        return dense
+    if fmt in ("q8_0", "q4_0"):
+        w = BlockQuantWeight.empty(fmt, *dense.shape, dtype)
+        w.copy_(cast(DenseWeight, dense).weight)
+        return w
+    return _random_blocks(fmt, *dense.shape, dtype, g)
+
+
+def _quantize_model(model: CausalLM, dtype: torch.dtype) -> None:
+    """Every matrix of `model` block-quantized or stacked from parts in different formats (as Q4_K_M
+    files are: v in q6_k), layer by layer differently, a dense part among them; the embedding table
+    q8_0, an untied LM head q6_k."""
+    g = torch.Generator().manual_seed(3)
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k = attn.q_size, attn.kv_size
+        qkv = cast(DenseWeight, attn.qkv_proj).weight
+        parts = (("q4_k", "q5_k", "q6_k"), ("dense", "q8_0", "q4_0"))[i % 2]
+        attn.qkv_proj = StackedWeight([_quantized(DenseWeight(qkv[lo:hi]), fmt, dtype, g)
+                                       for (lo, hi), fmt in zip(((0, q), (q, q + k), (q + k, q + 2 * k)), parts,
+                                                                strict=True)])
+        attn.o_proj = _quantized(attn.o_proj, "q4_k" if attn.o_proj.in_features % 256 == 0 else "q4_0", dtype, g)
+        gate_up = cast(DenseWeight, mlp.gate_up_proj).weight
+        inter = gate_up.shape[0] // 2
+        mlp.gate_up_proj = StackedWeight([_quantized(DenseWeight(gate_up[:inter]), ("q4_k", "q8_0")[i % 2], dtype, g),
+                                          _quantized(DenseWeight(gate_up[inter:]), ("q5_k", "q4_0")[i % 2], dtype, g)])
+        mlp.down_proj = _quantized(mlp.down_proj, ("q6_k", "q8_0")[i % 2], dtype, g)
+    model.embed_tokens = _quantized(model.embed_tokens, "q8_0", dtype, g)
+    if model.lm_head is not None:
+        model.lm_head = _quantized(model.lm_head, "q6_k", dtype, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_bits_as_the_python_forward_with_quantized_weights(make_checkpoint, kernels, family, dtype):
+    """Block-quantized and stacked matrices, a quantized embedding table and LM head: the same
+    hidden states, K/V and first greedy drafts (the head's product and argmax) as the Python path."""
+    ops, backend = kernels
+    loaded = load_model(make_checkpoint(family, hidden_size=256, intermediate_size=512), dtype=dtype)
+    loaded.model.ops = ops
+    _quantize_model(loaded.model, dtype)
+    native = NativeDecoder.build(loaded.model, backend)
+    assert native is not None
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for i, specs in enumerate(SMALL_SPECS.values()):
+                ids, positions, kv, meta = _step(loaded.config, specs, dtype, seed=i)
+                kv_native = kv.clone()
+                got = native(ids, positions, kv_native, meta)
+                expected = loaded.model(ids, positions, kv, meta, backend)
+                assert got.dtype == dtype and torch.equal(got, expected), specs
+                assert torch.equal(kv_native, kv), specs
+                assert got.abs().max() > 0 and got.isfinite().all()
+                drafts = native.draft_greedy(ids, positions, kv.clone(), meta, [1] * meta.num_seqs, 0.0,
+                                             loaded.config.vocab_size)
+                last = expected[torch.tensor(meta.query_start_loc_cpu[1:]) - 1]
+                assert drafts == [[t] for t in loaded.model.compute_logits(last).argmax(dim=-1).tolist()], specs
+        finally:
+            torch.set_num_threads(before)
 
 
 def test_takes_what_runs_in_cpp_anyway(make_checkpoint, kernels):

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,9 +208,13 @@ def run_llama_cpp(gguf: Path, workload: Workload, threads: int, label: str) -> R
     return stats
 
 
-def run_llama_cpp_batched(gguf: Path, workload: Workload, batch_size: int, threads: int, label: str) -> RunStats:
+def run_llama_cpp_batched(gguf: Path, workload: Workload, batch_size: int, threads: int, label: str,
+                          extra_buffers: bool = True, on_finished: Callable[[], object] | None = None) -> RunStats:
     """llama.cpp with up to `batch_size` sequences per `llama_decode`, greedy; steps that only
-    decode and steps that only prefill are timed as such."""
+    decode and steps that only prefill are timed as such. `extra_buffers` is llama.cpp's
+    `use_extra_bufts` (weights repacked for its AMX and CPU_REPACK kernels, the default);
+    `on_finished` is called after the last step, while the model and context are still held (to
+    read the resident memory then: llama.cpp maps the file, whose pages count once read)."""
     import ctypes
 
     import llama_cpp as lc
@@ -218,7 +223,9 @@ def run_llama_cpp_batched(gguf: Path, workload: Workload, batch_size: int, threa
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does
     n, outs, budget = len(workload.prompts), workload.output_lens, 2048
     longest = max(len(p) + m for p, m in zip(workload.prompts, outs, strict=True))
-    model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
+    params = lc.llama_model_default_params()
+    params.use_extra_bufts = extra_buffers
+    model = lc.llama_model_load_from_file(str(gguf).encode(), params)
     cp = lc.llama_context_default_params()
     # One KV buffer shared by all sequences (kv_unified): with one stream per sequence (the
     # default) llama.cpp's batched decodes lose their advantage over one at a time (docs/).
@@ -272,6 +279,8 @@ def run_llama_cpp_batched(gguf: Path, workload: Workload, batch_size: int, threa
                 del slots[slot]
                 free.append(slot)
     stats.elapsed_s, stats.cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    if on_finished is not None:
+        on_finished()
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
     lc.llama_model_free(model)

@@ -1,7 +1,8 @@
 """`nanoserve bench`: benchmarks. `bench throughput` runs random requests through the engine offline
 (optionally beside peers, with the rooflines); `bench serve` load-tests an OpenAI-compatible server;
 `bench shape` prints the folder of a `--model-shape` preset (to serve it); `bench structured`
-compares decode steps constrained by a JSON schema with unconstrained ones."""
+compares decode steps constrained by a JSON schema with unconstrained ones; `bench quant` runs
+nanoserve and llama.cpp on the same BF16, Q8_0 and Q4_K_M GGUF files."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_serve(kinds)
     register_spec(kinds)
     _register_structured(kinds)
+    _register_quant(kinds)
     s = kinds.add_parser("shape", help="print the folder of a --model-shape preset (written on first use)")
     s.add_argument("name", choices=sorted(PRESETS))
     s.add_argument("--shape-override", nargs="+", default=[], metavar="KEY=VALUE", help="config fields to replace")
@@ -131,6 +133,56 @@ def _run_structured(ns: argparse.Namespace) -> int:
         overrides["max_model_len"] = 32 + ns.steps + 64
     engine = build_engine(dataclasses.replace(args, **overrides))
     print(format_costs(structured_step_costs(engine, tuple(ns.batch_sizes), ns.steps, rounds=ns.rounds)))
+    return 0
+
+
+def _register_quant(kinds: argparse._SubParsersAction) -> None:
+    from nanoserve.bench.quant import DEFAULT_SHAPES, ENGINES, FORMATS, QuantBenchConfig
+
+    q = kinds.add_parser("quant", help="nanoserve vs llama.cpp on the same BF16, Q8_0 and Q4_K_M GGUF files",
+                         description="For each model shape (random weights): a BF16 GGUF and the Q8_0 and Q4_K_M "
+                                     "files llama.cpp quantizes from it (cached); each engine on each file in its "
+                                     "own process: single-stream and batched decode tok/s, resident memory, the "
+                                     "fraction of the memory-bandwidth roofline.")
+    d: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(QuantBenchConfig)}  # the class defaults
+    q.add_argument("--model-shape", nargs="+", choices=sorted(PRESETS), default=list(DEFAULT_SHAPES))
+    q.add_argument("--shape-override", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="config fields to replace in every shape (e.g. num_hidden_layers=2)")
+    q.add_argument("--formats", nargs="+", type=str.upper, choices=FORMATS, default=list(FORMATS))
+    q.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    q.add_argument("--prompt-len", type=int, default=d["prompt_len"], help="prompt tokens of every request")
+    q.add_argument("--single-tokens", type=int, default=d["single_tokens"], help="output tokens, single stream")
+    q.add_argument("--batch-tokens", type=int, default=d["batch_tokens"], help="output tokens per request, batched")
+    q.add_argument("--batch-sizes", type=int, nargs="*", default=list(d["batch_sizes"]), metavar="B")
+    q.add_argument("--repeats", type=int, default=d["repeats"], help="single-stream runs per file (median reported)")
+    q.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="threads of both engines and of the roofline measurement")
+    q.add_argument("--engine-option", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="extra EngineArgs fields for nanoserve (e.g. quantization=int8)")
+    q.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the memory bandwidth and print each single stream's fraction of it")
+    q.add_argument("--llama-cpp-extra-buffers", action=argparse.BooleanOptionalAction, default=None,
+                   help="llama.cpp's use_extra_bufts (AMX and repacked weights; default: on, but off on CPUs with "
+                        "AMX-INT8, where its AMX product crashes on quantized files)")
+    q.add_argument("--out", type=Path, metavar="DIR", help="write quant.json and a plot per shape there")
+    q.set_defaults(func=_run_quant)
+
+
+def _run_quant(ns: argparse.Namespace) -> int:
+    from nanoserve.bench.quant import QuantBenchConfig, run_quant_bench
+
+    cfg = QuantBenchConfig(tuple(ns.model_shape), tuple(ns.formats), tuple(ns.engines), ns.prompt_len,
+                           ns.single_tokens, ns.batch_tokens, tuple(ns.batch_sizes), ns.repeats, ns.threads,
+                           overrides=parse_overrides(ns.shape_override),
+                           engine_options=parse_overrides(ns.engine_option), roofline=ns.roofline,
+                           llama_cpp_extra_buffers=ns.llama_cpp_extra_buffers)
+    report = run_quant_bench(cfg)
+    print()
+    print(report.format())
+    if ns.out is not None:
+        _write_json(ns.out / "quant.json", report.to_dict())
+        for path in report.plot(ns.out):
+            print(f"plot: {path}")
     return 0
 
 

@@ -7,10 +7,16 @@ import dataclasses
 
 from nanoserve.attention import BACKEND_NAMES
 from nanoserve.engine.args import EngineArgs
+from nanoserve.model.quant_config import QUANTIZATION_METHODS
 
 _HELP = {
     "dtype": "auto (bf16 on GPUs and CPUs with native bf16, else fp32), bfloat16 or float32; float16 only on CUDA",
     "device": "cpu or cuda",
+    "quantization": "none, or int8: quantize a safetensors checkpoint's layer matrices (q/k/v, o, gate/up, down) "
+                    "to Q8_0 blocks at load (per-32-value fp16 scales; the embedding, LM head and norms stay "
+                    "--dtype). A GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K matrices stay quantized whatever this "
+                    "says (the file decides; another value than none must match it). CPU only: on CUDA weights are "
+                    "dequantized to --dtype",
     "max_model_len": "context length limit (default: the model's)",
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
@@ -65,7 +71,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         kind = _OPTIONAL_TYPES.get(f.name, type(f.default))
         choices = {"kv": ["paged", "contiguous"], "scheduling_policy": ["fcfs", "priority"],
-                   "speculative_method": ["ngram", "draft"], "attention_backend": list(BACKEND_NAMES)}.get(f.name)
+                   "speculative_method": ["ngram", "draft"], "attention_backend": list(BACKEND_NAMES),
+                   "quantization": list(QUANTIZATION_METHODS)}.get(f.name)
         group.add_argument(flag, type=kind, default=f.default, choices=choices, help=_HELP.get(f.name))
 
 

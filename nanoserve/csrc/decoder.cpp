@@ -5,8 +5,8 @@
 // CpuPagedAttention, in the same order, with the same arguments and thread count, so its output is
 // bit for bit theirs; what it saves is the Python between them: ~13 calls per layer, each with its
 // interpreter, argument conversion and tensor allocation, which for a small model or a single
-// sequence cost as much as the arithmetic. Only steps whose every product goes to linear.cpp come
-// here (see nanoserve/model/native_decoder.py); the rest stay on the Python path.
+// sequence cost as much as the arithmetic. Only steps whose every product goes to linear.cpp or
+// quant.cpp come here (see nanoserve/model/native_decoder.py); the rest stay on the Python path.
 //
 // Per layer, on the flat batch of n new tokens (hidden rows of the residual stream):
 //   normed = RMSNorm(residual += x)          x: the previous layer's MLP output (zeros at layer 0)
@@ -16,7 +16,9 @@
 //   x = (silu(gate) * up)(normed Wgu^T) Wdown^T
 // and at the end out = RMSNorm(residual += x).
 //
-// Layouts: as CausalLM holds them (weights dense [out, in] row-major: LayerWeights in kernels.h);
+// Layouts: as CausalLM holds them (each matrix dense [out, in] row-major or GGUF blocks, in up to
+// three parts stacked by rows: Matrix and LayerWeights in kernels.h; a quantized embedding table's
+// rows are dequantized as they are gathered);
 // the cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; cos and sin tables
 // [table_len, head_dim] (row p: position p); block_tables [num_seqs, table_stride]; out [n, hidden].
 
@@ -61,6 +63,22 @@ inline void linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint
                    int64_t K, int t) {
   nanoserve_linear_bf16(x, w, b, o, M, N, K, t);
 }
+inline void quant_linear(const float* x, const uint8_t* w, int qtype, const float* b, float* o, int64_t stride,
+                         int64_t M, int64_t N, int64_t K, int t) {
+  nanoserve_quant_linear_f32(x, w, qtype, b, o, stride, M, N, K, t);
+}
+inline void quant_linear(const uint16_t* x, const uint8_t* w, int qtype, const uint16_t* b, uint16_t* o,
+                         int64_t stride, int64_t M, int64_t N, int64_t K, int t) {
+  nanoserve_quant_linear_bf16(x, w, qtype, b, o, stride, M, N, K, t);
+}
+inline void dequantize_rows(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows, int64_t n,
+                            float* o, int t) {
+  nanoserve_dequantize_rows_f32(w, qtype, num_rows, K, rows, n, o, t);
+}
+inline void dequantize_rows(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows, int64_t n,
+                            uint16_t* o, int t) {
+  nanoserve_dequantize_rows_bf16(w, qtype, num_rows, K, rows, n, o, t);
+}
 inline int write_kv(const float* k, int64_t ks, const float* v, int64_t vs, float* cache, const int64_t* slots,
                     int64_t n, int64_t elems, int64_t num_slots) {
   return nanoserve_write_kv_f32(k, ks, v, vs, cache, slots, n, elems, num_slots);
@@ -82,8 +100,34 @@ inline int paged_attention(const uint16_t* q, int64_t qs, const uint16_t* cache,
                                         bs, nb, scale, t);
 }
 
+// out [M, sum of the parts' rows] = x [M, K] w^T (+ bias), as CpuLayerOps.linear computes it: a
+// single dense matrix by linear.cpp; otherwise each part into its columns of out (a dense part
+// through a buffer, with its slice of the bias).
 template <typename T>
-int decoder_forward(const int64_t* dims, float eps, float scale, const LayerWeights* layers, const T* embed,
+void product(const T* x, const Matrix& w, const T* bias, T* out, int64_t M, int64_t K, int num_threads) {
+  int64_t N = 0;
+  for (int64_t p = 0; p < w.num_parts; ++p) N += w.parts[p].rows;
+  if (w.num_parts == 1 && w.parts[0].qtype < 0) {
+    linear(x, static_cast<const T*>(w.parts[0].data), bias, out, M, N, K, num_threads);
+    return;
+  }
+  for (int64_t p = 0, offset = 0; p < w.num_parts; offset += w.parts[p++].rows) {
+    const MatrixPart& part = w.parts[p];
+    const T* part_bias = bias != nullptr ? bias + offset : nullptr;
+    if (part.qtype >= 0) {
+      quant_linear(x, static_cast<const uint8_t*>(part.data), static_cast<int>(part.qtype), part_bias, out + offset,
+                   N, M, part.rows, K, num_threads);
+      continue;
+    }
+    std::unique_ptr<T[]> columns(new T[M * part.rows]);
+    linear(x, static_cast<const T*>(part.data), part_bias, columns.get(), M, part.rows, K, num_threads);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(out + m * N + offset, columns.get() + m * part.rows, part.rows * sizeof(T));
+  }
+}
+
+template <typename T>
+int decoder_forward(const int64_t* dims, float eps, float scale, const LayerWeights* layers, const Matrix* embed,
                     const T* final_norm, const T* cos_table, const T* sin_table, int64_t table_len, T* kv_cache,
                     int64_t num_blocks, int64_t block_size, const int64_t* ids, const int64_t* positions, int64_t n,
                     const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
@@ -107,8 +151,13 @@ int decoder_forward(const int64_t* dims, float eps, float scale, const LayerWeig
   for (int i = 0, off = 0; i < 9; off += sizes[i++]) buf[i] = work.get() + off;
   T *residual = buf[0], *x = buf[1], *normed = buf[2], *qkv = buf[3], *attn = buf[4], *gate_up = buf[5],
     *act = buf[6], *cos = buf[7], *sin = buf[8];
+  const MatrixPart& table = embed->parts[0];
+  if (table.qtype >= 0)
+    dequantize_rows(static_cast<const uint8_t*>(table.data), static_cast<int>(table.qtype), vocab, hidden, ids, n,
+                    residual, num_threads);
   for (int64_t t = 0; t < n; ++t) {
-    std::memcpy(residual + t * hidden, embed + ids[t] * hidden, hidden * sizeof(T));
+    if (table.qtype < 0)
+      std::memcpy(residual + t * hidden, static_cast<const T*>(table.data) + ids[t] * hidden, hidden * sizeof(T));
     std::memcpy(cos + t * d, cos_table + positions[t] * d, d * sizeof(T));
     std::memcpy(sin + t * d, sin_table + positions[t] * d, d * sizeof(T));
   }
@@ -117,19 +166,17 @@ int decoder_forward(const int64_t* dims, float eps, float scale, const LayerWeig
     const LayerWeights& w = layers[i];
     T* cache = kv_cache + i * layer_elems;
     rms_norm(x, residual, static_cast<const T*>(w.input_norm), normed, n, hidden, eps, num_threads);
-    linear(normed, static_cast<const T*>(w.qkv), static_cast<const T*>(w.qkv_bias), qkv, n, qkv_size, hidden,
-           num_threads);
+    product(normed, w.qkv, static_cast<const T*>(w.qkv_bias), qkv, n, hidden, num_threads);
     qk_norm_rope(qkv, n, qkv_size, heads, kv_heads, d, cos, sin, static_cast<const T*>(w.q_norm),
                  static_cast<const T*>(w.k_norm), eps, num_threads);
     write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, cache, slot_mapping, n, kv_size, num_slots);
     paged_attention(qkv, qkv_size, cache, attn, block_tables, table_stride, seq_lens, query_start, num_seqs, heads,
                     kv_heads, d, block_size, num_blocks, scale, num_threads);
-    linear(attn, static_cast<const T*>(w.o_proj), static_cast<const T*>(nullptr), x, n, hidden, q_size, num_threads);
+    product(attn, w.o_proj, static_cast<const T*>(nullptr), x, n, q_size, num_threads);
     rms_norm(x, residual, static_cast<const T*>(w.post_norm), normed, n, hidden, eps, num_threads);
-    linear(normed, static_cast<const T*>(w.gate_up), static_cast<const T*>(nullptr), gate_up, n, 2 * inter, hidden,
-           num_threads);
+    product(normed, w.gate_up, static_cast<const T*>(nullptr), gate_up, n, hidden, num_threads);
     silu_mul(gate_up, act, n, inter, num_threads);
-    linear(act, static_cast<const T*>(w.down), static_cast<const T*>(nullptr), x, n, hidden, inter, num_threads);
+    product(act, w.down, static_cast<const T*>(nullptr), x, n, inter, num_threads);
   }
   rms_norm(x, residual, final_norm, out, n, hidden, eps, num_threads);
   return 1;
@@ -161,8 +208,8 @@ float softmax_denominator(const T* row, int64_t vocab, float top) {
 // [num_seqs, max_budget] and num_drafts [num_seqs] (each at least 1). Returns 1, or what
 // decoder_forward refused, or 0 for a position past a sequence's block table.
 template <typename T>
-int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights* layers, const T* embed,
-                 const T* final_norm, const T* lm_head, int64_t vocab, const T* cos_table, const T* sin_table,
+int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights* layers, const Matrix* embed,
+                 const T* final_norm, const Matrix* lm_head, int64_t vocab, const T* cos_table, const T* sin_table,
                  int64_t table_len, T* kv_cache, int64_t num_blocks, int64_t block_size, const int64_t* ids,
                  const int64_t* positions, int64_t n, const int64_t* slot_mapping, const int64_t* block_tables,
                  int64_t table_stride, const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs,
@@ -186,7 +233,7 @@ int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights
     std::memcpy(last.get() + i * hidden, out.get() + (query_start[i + 1] - 1) * hidden, hidden * sizeof(T));
   }
   for (int64_t m = num_seqs, s = 0; m > 0; ++s) {
-    linear(last.get(), lm_head, static_cast<const T*>(nullptr), logits.get(), m, rows, hidden, num_threads);
+    product(last.get(), *lm_head, static_cast<const T*>(nullptr), logits.get(), m, hidden, num_threads);
     int64_t kept = 0;
     for (int64_t j = 0; j < m; ++j) {
       const T* row = logits.get() + j * rows;
@@ -232,7 +279,7 @@ extern "C" {
 // num_layers. Returns 1; or, having written nothing, -1 for a token id outside the vocabulary, -2
 // for a position outside the rotary tables, 0 for a slot outside the cache.
 int nanoserve_decoder_forward_f32(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                                  const float* embed, const float* final_norm, const float* cos_table,
+                                  const Matrix* embed, const float* final_norm, const float* cos_table,
                                   const float* sin_table, int64_t table_len, float* kv_cache, int64_t num_blocks,
                                   int64_t block_size, const int64_t* ids, const int64_t* positions, int64_t n,
                                   const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
@@ -243,7 +290,7 @@ int nanoserve_decoder_forward_f32(const int64_t* dims, float eps, float scale, c
                          query_start, num_seqs, out, num_threads);
 }
 int nanoserve_decoder_forward_bf16(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                                   const uint16_t* embed, const uint16_t* final_norm, const uint16_t* cos_table,
+                                   const Matrix* embed, const uint16_t* final_norm, const uint16_t* cos_table,
                                    const uint16_t* sin_table, int64_t table_len, uint16_t* kv_cache,
                                    int64_t num_blocks, int64_t block_size, const int64_t* ids,
                                    const int64_t* positions, int64_t n, const int64_t* slot_mapping,
@@ -258,7 +305,7 @@ int nanoserve_decoder_forward_bf16(const int64_t* dims, float eps, float scale, 
 // budgets [num_seqs] (each at least 1 and at most max_budget), drafts [num_seqs, max_budget],
 // num_drafts [num_seqs].
 int nanoserve_draft_greedy_f32(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                               const float* embed, const float* final_norm, const float* lm_head, int64_t vocab,
+                               const Matrix* embed, const float* final_norm, const Matrix* lm_head, int64_t vocab,
                                const float* cos_table, const float* sin_table, int64_t table_len, float* kv_cache,
                                int64_t num_blocks, int64_t block_size, const int64_t* ids, const int64_t* positions,
                                int64_t n, const int64_t* slot_mapping, const int64_t* block_tables,
@@ -271,7 +318,7 @@ int nanoserve_draft_greedy_f32(const int64_t* dims, float eps, float scale, cons
                       num_threads);
 }
 int nanoserve_draft_greedy_bf16(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                                const uint16_t* embed, const uint16_t* final_norm, const uint16_t* lm_head,
+                                const Matrix* embed, const uint16_t* final_norm, const Matrix* lm_head,
                                 int64_t vocab, const uint16_t* cos_table, const uint16_t* sin_table, int64_t table_len,
                                 uint16_t* kv_cache, int64_t num_blocks, int64_t block_size, const int64_t* ids,
                                 const int64_t* positions, int64_t n, const int64_t* slot_mapping,

@@ -9,19 +9,32 @@
 
 extern "C" {
 
+// One matrix W [rows, in] for decoder.cpp: up to three parts stacked by rows (a fused q/k/v or
+// gate/up whose parts a checkpoint stores in different formats), each dense [rows, in] row-major in
+// the model's element type (qtype -1) or GGUF blocks [rows, row_bytes] of type qtype (quant.cpp).
+struct MatrixPart {
+  const void* data;
+  int64_t rows;
+  int64_t qtype;
+};
+struct Matrix {
+  MatrixPart parts[3];
+  int64_t num_parts;  // 1 to 3
+};
+
 // One decoder layer's parameters for decoder.cpp (null: absent from this family), as
-// native_decoder.py fills them (nanoserve.native.LayerWeights mirrors it): every one in the model's
-// element type, each weight dense [out, in] row-major.
+// native_decoder.py fills them (nanoserve.native.LayerWeights mirrors it): vectors in the model's
+// element type, matrices as above.
 struct LayerWeights {
   const void* input_norm;  // [hidden]
-  const void* qkv;         // [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+  Matrix qkv;              // [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
   const void* qkv_bias;    // [(num_heads + 2 * num_kv_heads) * head_dim] (Qwen2) or null
   const void* q_norm;      // [head_dim] (Qwen3) or null; null exactly when k_norm is
   const void* k_norm;      // [head_dim] or null
-  const void* o_proj;      // [hidden, num_heads * head_dim]
+  Matrix o_proj;           // [hidden, num_heads * head_dim]
   const void* post_norm;   // [hidden]
-  const void* gate_up;     // [2 * intermediate, hidden]: gate rows, then up rows
-  const void* down;        // [hidden, intermediate]
+  Matrix gate_up;          // [2 * intermediate, hidden]: gate rows, then up rows
+  Matrix down;             // [hidden, intermediate]
 };
 
 // layer_ops.cpp
@@ -45,6 +58,17 @@ void nanoserve_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t*
                            int64_t N, int64_t K, int num_threads);
 int nanoserve_linear_bf16_native();
 
+// quant.cpp (qtype: GGUF's tensor type id; weights the raw blocks, [N, row_bytes])
+int nanoserve_quant_linear_f32(const float* x, const uint8_t* w, int qtype, const float* bias, float* out,
+                               int64_t out_stride, int64_t M, int64_t N, int64_t K, int num_threads);
+int nanoserve_quant_linear_bf16(const uint16_t* x, const uint8_t* w, int qtype, const uint16_t* bias, uint16_t* out,
+                                int64_t out_stride, int64_t M, int64_t N, int64_t K, int num_threads);
+int nanoserve_dequantize_rows_f32(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows,
+                                  int64_t n, float* out, int num_threads);
+int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows,
+                                   int64_t n, uint16_t* out, int num_threads);
+int nanoserve_quant_isa();
+
 // paged_attention.cpp
 int nanoserve_paged_attention_f32(const float* q, int64_t q_stride, const float* cache, float* out,
                                   const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
@@ -64,21 +88,21 @@ int nanoserve_write_kv_bf16(const uint16_t* k, int64_t k_stride, const uint16_t*
 
 // decoder.cpp
 int nanoserve_decoder_forward_f32(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                                  const float* embed, const float* final_norm, const float* cos_table,
+                                  const Matrix* embed, const float* final_norm, const float* cos_table,
                                   const float* sin_table, int64_t table_len, float* kv_cache, int64_t num_blocks,
                                   int64_t block_size, const int64_t* ids, const int64_t* positions, int64_t n,
                                   const int64_t* slot_mapping, const int64_t* block_tables, int64_t table_stride,
                                   const int64_t* seq_lens, const int64_t* query_start, int64_t num_seqs, float* out,
                                   int num_threads);
 int nanoserve_decoder_forward_bf16(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                                   const uint16_t* embed, const uint16_t* final_norm, const uint16_t* cos_table,
+                                   const Matrix* embed, const uint16_t* final_norm, const uint16_t* cos_table,
                                    const uint16_t* sin_table, int64_t table_len, uint16_t* kv_cache,
                                    int64_t num_blocks, int64_t block_size, const int64_t* ids,
                                    const int64_t* positions, int64_t n, const int64_t* slot_mapping,
                                    const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,
                                    const int64_t* query_start, int64_t num_seqs, uint16_t* out, int num_threads);
 int nanoserve_draft_greedy_f32(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                               const float* embed, const float* final_norm, const float* lm_head, int64_t vocab,
+                               const Matrix* embed, const float* final_norm, const Matrix* lm_head, int64_t vocab,
                                const float* cos_table, const float* sin_table, int64_t table_len, float* kv_cache,
                                int64_t num_blocks, int64_t block_size, const int64_t* ids, const int64_t* positions,
                                int64_t n, const int64_t* slot_mapping, const int64_t* block_tables,
@@ -86,7 +110,7 @@ int nanoserve_draft_greedy_f32(const int64_t* dims, float eps, float scale, cons
                                int64_t num_seqs, const int64_t* budgets, int64_t max_budget, float min_confidence,
                                int64_t* drafts, int64_t* num_drafts, int num_threads);
 int nanoserve_draft_greedy_bf16(const int64_t* dims, float eps, float scale, const LayerWeights* layers,
-                                const uint16_t* embed, const uint16_t* final_norm, const uint16_t* lm_head,
+                                const Matrix* embed, const uint16_t* final_norm, const Matrix* lm_head,
                                 int64_t vocab, const uint16_t* cos_table, const uint16_t* sin_table, int64_t table_len,
                                 uint16_t* kv_cache, int64_t num_blocks, int64_t block_size, const int64_t* ids,
                                 const int64_t* positions, int64_t n, const int64_t* slot_mapping,

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from nanoserve.kv.manager import blocks_needed
+from nanoserve.model.quant_config import QUANTIZATION_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +20,7 @@ class EngineArgs:
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str = "none"  # none, or int8: a safetensors checkpoint's layer matrices as q8_0 blocks
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -46,6 +48,9 @@ class EngineArgs:
     distributed_timeout: float = 60.0  # seconds a tensor-parallel collective may wait before it fails
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
         if self.kv not in ("paged", "contiguous"):
             raise ValueError(f"kv must be 'paged' or 'contiguous', got {self.kv!r}")
         if self.block_size < 1:

@@ -42,7 +42,7 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
         raise ValueError("with tensor_parallel_size > 1 every rank loads args.model itself; pass no loaded model")
     launch = TensorParallelLaunch(args) if args.tensor_parallel_size > 1 else None
     if loaded is None:
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     device = torch.device(args.device)
     loaded.model.ops = select_layer_ops(args.attention_backend, device, loaded.model.dtype)
     draft = _load_draft(args, loaded, device) if args.spec_method == "draft" else None

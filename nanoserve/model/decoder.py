@@ -12,21 +12,22 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layer_ops import LayerOps, TorchLayerOps
 from nanoserve.model.layers import RMSNorm, SwiGLU, empty_param, rope_cos_sin, rope_inv_freq
-from nanoserve.model.weight_formats import DenseWeight, LinearWeight
+from nanoserve.model.quant_config import QuantConfig
+from nanoserve.model.weight_formats import LinearWeight
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projection, optional q/k bias (Qwen2) and
-    optional per-head RMSNorm on q and k before rotary (Qwen3)."""
+    optional per-head RMSNorm on q and k before rotary (Qwen3). The matrices of layer `layer` take
+    the formats `quant` gives them."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -35,9 +36,11 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.eps = cfg.rms_norm_eps
-        self.qkv_proj: LinearWeight = DenseWeight.empty(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype)
+        self.qkv_proj = quant.make_weight(layer, "self_attn.qkv_proj",
+                                          (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)),
+                                          cfg.hidden_size, dtype)
         self.qkv_bias = empty_param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
-        self.o_proj: LinearWeight = DenseWeight.empty(cfg.hidden_size, self.q_size, dtype)
+        self.o_proj = quant.make_weight(layer, "self_attn.o_proj", ((None, cfg.hidden_size),), self.q_size, dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -59,12 +62,12 @@ class DecoderLayer(nn.Module):
     fused into the norm after it (`LayerOps.rms_norm` with a residual), so a layer takes the previous
     sublayer's output, adds it into the stream first, and returns its own MLP's output unadded."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, quant, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, quant, layer)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
@@ -80,27 +83,31 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head. Parameters are created empty; a loader
-    must fill every one (see `nanoserve.model.weights.load_weights`). The embedding table is a
-    dense `LinearWeight` [vocab, hidden] (its rows are gathered for the input tokens), and with tied
-    embeddings (`lm_head` None) it is the LM head too. `ops` carries out the
-    elementwise steps (`TorchLayerOps` unless the engine picks fused kernels for its device).
+    must fill every one (see `nanoserve.model.weights.load_weights`). Each matrix is a `LinearWeight`
+    in the format `quant` gives it (dense by default; activations and norms are always `dtype`).
+    The embedding table is a `LinearWeight` [vocab, hidden] (`ops.embed` gathers its rows for the
+    input tokens, in `dtype`), and with tied embeddings (`lm_head` None) it is the LM head too. `ops`
+    carries out the products and elementwise steps (`TorchLayerOps` unless the engine picks fused
+    kernels for its device).
     `inv_freq` is fixed at construction (no loader writes it), so the rotary tables of `rope`,
     built from it at first use, stay valid."""
 
     inv_freq: torch.Tensor  # a buffer (registered in __init__)
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
+        quant = quant or QuantConfig()
         self.cfg = cfg
         self.dtype = dtype
         self.ops: LayerOps = TorchLayerOps()
-        self.embed_tokens = DenseWeight.empty(cfg.vocab_size, cfg.hidden_size, dtype)
+        vocab = ((None, cfg.vocab_size),)
+        self.embed_tokens = quant.make_weight(None, "embed_tokens", vocab, cfg.hidden_size, dtype)
         # An nn.ModuleList (so its parameters are the model's), typed as the sequence it is.
-        self.layers = cast(Sequence[DecoderLayer],
-                           nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers)))
+        self.layers = cast(Sequence[DecoderLayer], nn.ModuleList(
+            DecoderLayer(cfg, dtype, quant, i) for i in range(cfg.num_hidden_layers)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head: LinearWeight | None = (
-            None if cfg.tie_word_embeddings else DenseWeight.empty(cfg.vocab_size, cfg.hidden_size, dtype))
+            None if cfg.tie_word_embeddings else quant.make_weight(None, "lm_head", vocab, cfg.hidden_size, dtype))
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
@@ -150,7 +157,7 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' rows of the embedding table [num_tokens, hidden_size]: a new tensor, which
         becomes the residual stream (a vocab-parallel model sums its ranks' rows here)."""
-        return F.embedding(input_ids, self.embed_tokens.weight)
+        return self.ops.embed(input_ids, self.embed_tokens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ OUT_TYPES = {
     "F16": (QType.F16, LlamaFileType.MOSTLY_F16),
     "BF16": (QType.BF16, LlamaFileType.MOSTLY_BF16),
     "Q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": (QType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
 }
 
 
@@ -51,7 +52,7 @@ def export_gguf(
 ) -> Path:
     """Converts the checkpoint in `hf_dir` (config.json, *.safetensors, tokenizer.json,
     tokenizer_config.json) of a model of one of `families` to a GGUF file at `out_path` with
-    matrices stored as `out_type` (F32, F16, BF16 or Q8_0); returns `out_path`. Raises ValueError
+    matrices stored as `out_type` (F32, F16, BF16, Q8_0 or Q4_0); returns `out_path`. Raises ValueError
     for what it cannot convert."""
     if out_type not in OUT_TYPES:
         raise ValueError(f"unknown GGUF output type {out_type!r}; choose one of {sorted(OUT_TYPES)}")
@@ -134,8 +135,8 @@ def _gguf_tensors(
 
 
 def _tensor_type(name: str, shape: torch.Size, qtype: QType) -> QType:
-    """1-D tensors and norms stay F32; Q8_0 falls back to F16 when a row is not a whole number of
-    32-value blocks (both as in the converter)."""
+    """1-D tensors and norms stay F32; Q8_0 and Q4_0 fall back to F16 when a row is not a whole
+    number of 32-value blocks (both as in the converter)."""
     if len(shape) <= 1 or name.endswith("_norm.weight"):
         return QType.F32
     block, _ = gguf.GGML_QUANT_SIZES[qtype]

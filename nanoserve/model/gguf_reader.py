@@ -10,6 +10,10 @@ Invariants:
   (up to the file's precision): shapes in torch order (GGUF lists dims in reverse), and the Q/K
   rows of files whose architecture stores them interleaved (`llama`) un-permuted from llama.cpp's
   interleaved rotary layout back to the rotate-half layout of `transformers`.
+- Tensors of a type nanoserve multiplies in its block format (`KEPT_TYPES`: Q8_0, Q4_0, Q4_K,
+  Q5_K, Q6_K) come as `QuantizedRows`, the file's bytes untouched (a row permutation moves whole
+  rows of blocks: blocks run along a row); `tensor_formats` names them before any is read. Every
+  other type is converted to the dtype asked for.
 - The rebuilt tokenizer tokenizes as llama.cpp does: byte-level BPE split by the file's
   `tokenizer.ggml.pre` (an unknown pre-tokenizer fails rather than silently splitting text
   differently), or SentencePiece BPE by piece scores (`nanoserve.tokenizer.sentencepiece_bpe`).
@@ -20,8 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 import gguf
@@ -33,6 +38,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType, ReaderTensor, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from nanoserve.model.block_quant import BLOCK_FORMATS, QuantizedRows
 from nanoserve.model.config import RopeScaling, UnsupportedModelError
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
 from nanoserve.model.layers import rope_inv_freq
@@ -79,7 +85,8 @@ _END_OF_GENERATION_TEXTS = frozenset(
     {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
      "<|end_of_text|>", "<EOT>"}
 )
-_NATIVE_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0)
+# GGUF tensor types kept in their block format, and the format of each.
+KEPT_TYPES: Mapping[QType, str] = MappingProxyType({f.qtype: name for name, f in BLOCK_FORMATS.items()})
 
 
 class GGUFCheckpoint(NamedTuple):
@@ -92,12 +99,16 @@ class GGUFCheckpoint(NamedTuple):
     tensors: tuple[ReaderTensor, ...]
     family: Family
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor in HF layout) pairs, each converted to `dtype` when reached.
+    @property
+    def tensor_formats(self) -> dict[str, str]:
+        """HF name -> block format of every tensor `weights()` yields as `QuantizedRows`."""
+        refs = ((self.family.tensor_by_gguf(t.name), t.tensor_type) for t in self.tensors)
+        return {ref.hf_name: KEPT_TYPES[kind] for ref, kind in refs if ref is not None and kind in KEPT_TYPES}
 
-        Quantized tensors, Q8_0 included, are dequantized to `dtype`: nanoserve has no int8 (or
-        k-quant) matmul, so a quantized file saves disk and download, not memory or compute.
-        """
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+        """(HF name, tensor in HF layout) pairs, read when reached: `QuantizedRows` sharing the
+        file's memory map (one copy for un-permuted rows) for `KEPT_TYPES`, others converted to
+        `dtype`. A destination that keeps no blocks dequantizes them (`load_weights`)."""
         cfg = self.hf_config
         heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
         interleaved = self.family.gguf is not None and self.family.gguf.interleaved_rotary
@@ -108,10 +119,10 @@ class GGUFCheckpoint(NamedTuple):
             if ref is None:
                 log.warning("ignoring GGUF tensor %s (not used by this model)", t.name)
                 continue
-            x = _to_torch(t, dtype)
+            x = _quantized_rows(t) if t.tensor_type in KEPT_TYPES else _to_torch(t, dtype)
             rows = ref.tensor.rows
             if interleaved and rows is not None and rows in heads:
-                x = unpermute_rotary(x, heads[rows])
+                x = x[unpermute_rotary(torch.arange(x.shape[0]), heads[rows])]
             yield ref.hf_name, x
 
 
@@ -151,10 +162,11 @@ def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFChec
     generation_eos = _generation_eos(meta)
     tokenizer = _tokenizer(meta, generation_eos)
     hf_config = _hf_config(meta, family, {t.name: t for t in reader.tensors})
-    other = sorted({t.tensor_type.name for t in reader.tensors} - {q.name for q in _NATIVE_TYPES})
+    other = sorted({t.tensor_type.name for t in reader.tensors
+                    if len(t.shape) > 1 and t.tensor_type not in (*KEPT_TYPES, QType.F32)})
     if other:
-        log.info("%s: dequantizing %s tensors at load (no quantized matmul here)",
-                 Path(path).name, ", ".join(other))
+        log.info("%s: converting %s tensors to the model's dtype at load (nanoserve multiplies %s blocks)",
+                 Path(path).name, ", ".join(other), ", ".join(q.name for q in KEPT_TYPES))
     return GGUFCheckpoint(hf_config, tokenizer, generation_eos, tuple(reader.tensors), family)
 
 
@@ -291,8 +303,6 @@ def _to_torch(t: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
         x = torch.from_numpy(t.data)
     elif t.tensor_type == QType.BF16:
         x = torch.from_numpy(t.data.view(np.int16)).view(torch.bfloat16)
-    elif t.tensor_type == QType.Q8_0:
-        x = torch.from_numpy(_dequantize_q8_0(t.data))
     else:
         try:
             x = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
@@ -302,11 +312,12 @@ def _to_torch(t: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(shape).to(dtype)
 
 
-def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks (fp16 scale, then 32 int8 values) to fp32 values, flattened. numpy, not
-    `gguf.quants`: the same arithmetic without its per-row-group Python loop."""
-    blocks = raw.reshape(-1, 34)
-    return (blocks[:, 2:].view(np.int8).astype(np.float32) * blocks[:, :2].copy().view(np.float16)).ravel()
+def _quantized_rows(t: ReaderTensor) -> QuantizedRows:
+    """A 2-D tensor of a `KEPT_TYPES` type as its raw blocks: uint8 [rows, row_bytes], a view of the
+    memory map (the reader lays a quantized tensor out so already)."""
+    if t.data.ndim != 2:
+        raise UnsupportedModelError(f"GGUF tensor {t.name} of type {t.tensor_type.name} is not a matrix")
+    return QuantizedRows(KEPT_TYPES[t.tensor_type], torch.from_numpy(t.data.view(np.ndarray)), int(t.shape[0]))
 
 
 def _generation_eos(meta: dict[str, Any]) -> tuple[int, ...]:

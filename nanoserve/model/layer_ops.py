@@ -12,8 +12,11 @@ Invariants shared by both:
 - `rms_norm` with a residual adds x into the residual in place (residual += x, rounded to the
   dtype as torch's add is) and returns the norm of the sum: the pre-norm block's "h = h + sublayer;
   normed = norm(h)" in one step.
-- `linear` takes a `LinearWeight` and dispatches on its format; both take `DenseWeight` and raise
-  `UnsupportedWeightFormat` (naming the format) for any other.
+- `linear` takes a `LinearWeight` and dispatches on its format; both take `DenseWeight`,
+  `BlockQuantWeight` and `StackedWeight` (its parts' products side by side), and raise
+  `UnsupportedWeightFormat` (naming the format) for any other. The output has x's dtype.
+- `embed` gathers rows of an embedding table (dense or block-quantized; only the gathered rows
+  are dequantized) into a dense [*ids.shape, hidden] tensor of the table's dtype.
 - `qk_norm_rope` returns q [n, heads, head_dim] and k [n, kv_heads, head_dim]; they may be views of
   qkv (CpuLayerOps rotates in place, so qkv's q and k columns are overwritten) or new tensors.
 """
@@ -26,6 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from nanoserve.model.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight, dequantize
 from nanoserve.model.layers import apply_rope, rms_norm
 from nanoserve.model.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
 from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
@@ -33,6 +37,8 @@ from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
 
 class LayerOps(Protocol):
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -48,9 +54,18 @@ class TorchLayerOps:
     """The reference, in torch calls."""
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(w, DenseWeight):
-            raise UnsupportedWeightFormat("TorchLayerOps", w.format)
-        return F.linear(x, w.weight, bias)
+        """F.linear on the dense weight; a block-quantized one dequantized to x's dtype first."""
+        if isinstance(w, DenseWeight):
+            return F.linear(x, w.weight, bias)
+        if isinstance(w, BlockQuantWeight):
+            return F.linear(x, dequantize(w, x.dtype), bias)
+        if isinstance(w, StackedWeight):
+            out = torch.cat([self.linear(x, part) for part in w.parts], dim=-1)
+            return out if bias is None else out + bias
+        raise UnsupportedWeightFormat("TorchLayerOps", w.format)
+
+    def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
+        return embed_rows(ids, table)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,6 +96,10 @@ class TorchLayerOps:
 # measurements behind both cuts.
 SMALL_M = 16
 NATIVE_BF16_M = 32
+# Block-quantized weights take the same cuts: up to them quant.cpp's int8 products, beyond them
+# torch's GEMM on tiles of the weight dequantized to the model's dtype, each of this many bytes (a
+# tile stays in L2 while the GEMM reads it).
+TILE_BYTES = 1 << 20
 
 
 class CpuLayerOps:
@@ -100,11 +119,16 @@ class CpuLayerOps:
         self._norm = {dtype: getattr(lib, f"nanoserve_rms_norm_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._rope = {dtype: getattr(lib, f"nanoserve_qk_norm_rope_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._silu = {dtype: getattr(lib, f"nanoserve_silu_mul_{s}") for dtype, s in DTYPE_SUFFIX.items()}
+        self._quant_linear = {dtype: getattr(lib, f"nanoserve_quant_linear_{s}") for dtype, s in DTYPE_SUFFIX.items()}
+        self._dequantize_rows = {dtype: getattr(lib, f"nanoserve_dequantize_rows_{s}")
+                                 for dtype, s in DTYPE_SUFFIX.items()}
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """For a `DenseWeight`: the C++ product for 2-D contiguous x of one dtype with its weight and
-        bias, of at most `max_rows[dtype]` rows; F.linear otherwise. Other formats raise
-        `UnsupportedWeightFormat`."""
+        bias, of at most `max_rows[dtype]` rows; F.linear otherwise. Block-quantized and stacked
+        weights: `_quantized_linear`. Other formats raise `UnsupportedWeightFormat`."""
+        if isinstance(w, BlockQuantWeight | StackedWeight):
+            return self._quantized_linear(x, w, bias)
         if not isinstance(w, DenseWeight):
             raise UnsupportedWeightFormat("CpuLayerOps", w.format)
         weight = w.weight
@@ -118,6 +142,62 @@ class CpuLayerOps:
         self._linear[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                               out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
         return out
+
+    def _quantized_linear(self, x: torch.Tensor, w: BlockQuantWeight | StackedWeight,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """For 2-D contiguous x of a dtype in DTYPES (bias of that dtype): of at most
+        `max_rows[dtype]` rows, quant.cpp's product on the blocks (int8 dot products); of more, where
+        a dense weight would go to torch's GEMM, that GEMM on tiles of W dequantized by quant.cpp
+        (`TILE_BYTES` each; the GEMM then outruns the int8 products by more than the dequantizing
+        costs). Each part of a StackedWeight writes its columns of one output (a dense part through
+        `linear`). Other x take the reference (dequantize, then F.linear)."""
+        if (x.dim() != 2 or x.dtype not in self.DTYPES or not x.is_contiguous()
+                or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
+            return TorchLayerOps().linear(x, w, bias)
+        limit = self.max_rows.get(x.dtype)
+        tiled = limit is not None and x.shape[0] > limit
+        out = x.new_empty(x.shape[0], w.out_features)
+        offset = 0
+        for part in w.parts if isinstance(w, StackedWeight) else [w]:
+            cols = slice(offset, offset + part.out_features)
+            part_bias = None if bias is None else bias[cols]
+            if isinstance(part, BlockQuantWeight) and tiled:
+                self._tiled_linear(x, part, part_bias, out[:, cols])
+            elif isinstance(part, BlockQuantWeight):
+                self._quant_linear[x.dtype](
+                    x.data_ptr(), part.blocks.data_ptr(), int(BLOCK_FORMATS[part.format].qtype),
+                    None if part_bias is None else part_bias.data_ptr(), out[:, cols].data_ptr(), out.shape[1],
+                    x.shape[0], part.out_features, part.in_features, torch.get_num_threads())
+            else:
+                out[:, cols] = self.linear(x, part, part_bias)
+            offset += part.out_features
+        return out
+
+    def _tiled_linear(self, x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None,
+                      out: torch.Tensor) -> None:
+        """out (columns of a wider output) = x w^T + bias through F.linear on tiles of w's rows
+        dequantized to x's dtype."""
+        rows = max(1, TILE_BYTES // (w.in_features * x.element_size()))
+        tile = x.new_empty(min(rows, w.out_features), w.in_features)
+        qtype = int(BLOCK_FORMATS[w.format].qtype)
+        for lo in range(0, w.out_features, rows):
+            n = min(rows, w.out_features - lo)
+            self._dequantize_rows[x.dtype](w.blocks[lo].data_ptr(), qtype, n, w.in_features, None, n,
+                                           tile.data_ptr(), torch.get_num_threads())
+            out[:, lo:lo + n] = F.linear(x, tile[:n], None if bias is None else bias[lo:lo + n])
+
+    def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
+        """Rows of a block-quantized table dequantized by quant.cpp (ids out of range raise
+        IndexError); `embed_rows` for the rest."""
+        if not (isinstance(table, BlockQuantWeight) and table.dtype in self.DTYPES):
+            return embed_rows(ids, table)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.shape[0], table.in_features, dtype=table.dtype)
+        if self._dequantize_rows[table.dtype](
+                table.blocks.data_ptr(), int(BLOCK_FORMATS[table.format].qtype), table.out_features,
+                table.in_features, flat.data_ptr(), flat.shape[0], out.data_ptr(), torch.get_num_threads()) != 1:
+            raise IndexError("embed: a token id outside the table")
+        return out.reshape(*ids.shape, table.in_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,6 +230,17 @@ class CpuLayerOps:
         self._silu[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                                   torch.get_num_threads())
         return out
+
+
+def embed_rows(ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
+    """The rows `ids` of `table` [*ids.shape, in_features] in the table's dtype: gathered from a
+    dense table, dequantized from the gathered blocks of a block-quantized one."""
+    if isinstance(table, DenseWeight):
+        return F.embedding(ids, table.weight)
+    if isinstance(table, BlockQuantWeight):
+        rows = dequantize(table.rows[ids.reshape(-1)], table.dtype)
+        return rows.reshape(*ids.shape, table.in_features)
+    raise UnsupportedWeightFormat("embed", table.format)
 
 
 def _check(first: torch.Tensor, *others: torch.Tensor) -> None:

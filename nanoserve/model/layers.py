@@ -4,12 +4,15 @@ scaling), the SwiGLU MLP. Numerics follow the Hugging Face reference: norms in f
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nanoserve.model.config import RopeScaling
-from nanoserve.model.weight_formats import DenseWeight, LinearWeight
+
+if TYPE_CHECKING:
+    from nanoserve.model.quant_config import QuantConfig
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -72,10 +75,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one [2 * inter, hidden] matrix (gate
-    rows first); the decoder applies it with its `LayerOps.silu_mul` between the two products."""
+    rows first); the decoder applies it with its `LayerOps.silu_mul` between the two products. The
+    matrices of layer `layer` take the formats `quant` gives them."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
         self.inter = inter
-        self.gate_up_proj: LinearWeight = DenseWeight.empty(2 * inter, hidden, dtype)
-        self.down_proj: LinearWeight = DenseWeight.empty(hidden, inter, dtype)
+        self.gate_up_proj = quant.make_weight(layer, "mlp.gate_up_proj", (("gate", inter), ("up", inter)), hidden,
+                                              dtype)
+        self.down_proj = quant.make_weight(layer, "mlp.down_proj", ((None, hidden),), inter, dtype)

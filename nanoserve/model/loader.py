@@ -17,7 +17,8 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
-from nanoserve.model.families import FAMILIES, FamilyRegistry
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
+from nanoserve.model.quant_config import QUANTIZATION_METHODS, QuantConfig
 from nanoserve.model.weights import load_weights
 from nanoserve.tokenizer import Tokenizer
 
@@ -125,10 +126,20 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_model(
     source: str | Path | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-    families: FamilyRegistry = FAMILIES,
+    families: FamilyRegistry = FAMILIES, quantization: str = "none",
 ) -> LoadedModel:
     """Loads config, tokenizer and weights of a model of one of `families`. Raises ModelLoadError or
-    UnsupportedModelError with a message that names the problem."""
+    UnsupportedModelError with a message that names the problem, ValueError for a `quantization`
+    the checkpoint does not allow.
+
+    Weight formats: a GGUF file's matrices keep the block formats nanoserve multiplies (the file
+    decides: `quantization` must be "none" or what the file holds); a safetensors checkpoint's layer
+    matrices are quantized at load as `quantization` says (`QUANTIZATION_METHODS`). Off the CPU every
+    matrix is dense (no GPU kernel takes blocks yet). `dtype` is the activations' and norms' dtype,
+    and that of the dense matrices."""
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)}")
+    method = QUANTIZATION_METHODS[quantization]
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_source(source)
@@ -141,6 +152,9 @@ def load_model(
         config = ModelConfig.from_hf_dict(ckpt.hf_config, families)
         tokenizer, tensors = ckpt.tokenizer, ckpt.weights(torch_dtype)
         gen_cfg = {"eos_token_id": list(ckpt.generation_eos)}
+        quant = QuantConfig.from_tensor_formats(families[config.family], ckpt.tensor_formats)
+        if method is not None:
+            _check_file_decides(quant, families[config.family], config, quantization, path)
     else:
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model folder?")
@@ -150,10 +164,30 @@ def load_model(
         eos = gen_cfg.get("eos_token_id", [])
         extra_stops = [*config.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
         tokenizer = Tokenizer.from_pretrained_dir(path, extra_stop_token_ids=extra_stops)
+        quant = QuantConfig() if method is None else QuantConfig.for_layers(
+            method, families[config.family], config.num_hidden_layers)
+    if dev.type != "cpu" and quant.formats:
+        log.info("%s: no %s kernel for %s weights yet; dequantizing them to %s at load", path.name, dev.type,
+                 ", ".join(sorted(quant.used_formats)), str(torch_dtype).removeprefix("torch."))
+        quant = QuantConfig()
     with torch.device(dev):
-        model = CausalLM(config, torch_dtype)
+        model = CausalLM(config, torch_dtype, quant)
     load_weights(model, tensors, families[config.family])
     model.eval()
-    log.info("loaded %s (%s, %.1fM params, %s) on %s", path.name, config.family, config.num_params / 1e6,
-             str(torch_dtype).removeprefix("torch."), dev)
+    kept = f", weights kept as {', '.join(sorted(quant.used_formats))}" if quant.formats else ""
+    log.info("loaded %s (%s, %.1fM params, %s%s) on %s", path.name, config.family, config.num_params / 1e6,
+             str(torch_dtype).removeprefix("torch."), kept, dev)
     return LoadedModel(model, config, tokenizer, path, gen_cfg)
+
+
+def _check_file_decides(quant: QuantConfig, family: Family, config: ModelConfig, quantization: str,
+                        path: Path) -> None:
+    """ValueError unless every layer matrix of the GGUF file at `path` (`quant`, from its tensor
+    types) is already in the format `quantization` asks for: a file's formats are not changed."""
+    method = QUANTIZATION_METHODS[quantization]
+    assert method is not None
+    wanted = QuantConfig.for_layers(method, family, config.num_hidden_layers).formats
+    if any(quant.formats.get(key) != fmt for key, fmt in wanted.items()):
+        held = ", ".join(sorted(quant.used_formats)) or "no block formats"
+        raise ValueError(f"--quantization {quantization} does not apply to {path.name}: a GGUF file's weights keep "
+                         f"the formats it holds ({held}); leave --quantization at none")

@@ -12,8 +12,11 @@ It takes a step when all of that step's products would go to `linear.cpp` anyway
 AVX512-BF16, any number for bf16 elsewhere); beyond, `CpuLayerOps.linear` hands the products to torch's GEMM,
 which the C++ path does not reproduce. The model runner asks `fits` before each step.
 
-It reads every matrix in the dense format (`DenseWeight`) of the model's dtype: `build` declines a
-model with a weight in another format (logging which), and the runner then takes the Python forward.
+It reads matrices dense in the model's dtype (`DenseWeight`), block-quantized (`BlockQuantWeight`,
+by quant.cpp, as `CpuLayerOps.linear` multiplies them; a quantized embedding table's rows
+dequantized as `CpuLayerOps.embed` gathers them) and stacked from up to three such parts
+(`StackedWeight`, not for the embedding table): `build` declines a model with a weight in another
+format (logging which), and the runner then takes the Python forward.
 
 Invariant: the model's parameters stay where they were when the decoder was built (loaders fill
 them in place before the engine is built; nothing replaces them afterwards), since it holds their
@@ -22,6 +25,7 @@ addresses.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import cast
 
@@ -29,10 +33,11 @@ import torch
 
 from nanoserve.attention.cpu_paged import CpuPagedAttention
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
+from nanoserve.model.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.layer_ops import CpuLayerOps
 from nanoserve.model.weight_formats import DenseWeight, LinearWeight
-from nanoserve.native import DTYPE_SUFFIX, LayerWeights
+from nanoserve.native import DTYPE_SUFFIX, LayerWeights, Matrix
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +61,26 @@ class NativeDecoder:
         self.layers = (LayerWeights * len(model.layers))()
         for slot, layer in zip(self.layers, model.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            params = {"input_norm": layer.input_layernorm.weight, "qkv": _dense(attn.qkv_proj),
-                      "qkv_bias": attn.qkv_bias, "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
-                      "k_norm": None if attn.k_norm is None else attn.k_norm.weight, "o_proj": _dense(attn.o_proj),
-                      "post_norm": layer.post_attention_layernorm.weight, "gate_up": _dense(mlp.gate_up_proj),
-                      "down": _dense(mlp.down_proj)}
-            for name, param in params.items():
+            vectors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": attn.qkv_bias,
+                       "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
+                       "k_norm": None if attn.k_norm is None else attn.k_norm.weight,
+                       "post_norm": layer.post_attention_layernorm.weight}
+            for name, param in vectors.items():
                 setattr(slot, name, None if param is None else param.data_ptr())
-        self.embed = model.embed_tokens.weight
-        self.head = _dense(model.head)
+            slot.qkv, slot.o_proj = _matrix(attn.qkv_proj), _matrix(attn.o_proj)
+            slot.gate_up, slot.down = _matrix(mlp.gate_up_proj), _matrix(mlp.down_proj)
+        self.embed = _matrix(model.embed_tokens)
+        self.head = _matrix(model.head)
+        self.head_rows = model.head.out_features
         self._forward = getattr(ops.lib, f"nanoserve_decoder_forward_{DTYPE_SUFFIX[self.dtype]}")
         self._draft_greedy = getattr(ops.lib, f"nanoserve_draft_greedy_{DTYPE_SUFFIX[self.dtype]}")
 
     @classmethod
     def build(cls, model: CausalLM, backend: AttentionBackend) -> NativeDecoder | None:
         """A decoder for `model` when its family declares one and its steps run on the C++ path
-        (CpuLayerOps and the C++ attention kernel for its dtype and head size, every weight dense,
-        all of its parameters contiguous CPU tensors of its dtype); None otherwise."""
+        (CpuLayerOps and the C++ attention kernel for its dtype and head size, every weight in a
+        format it reads, all of its parameters and buffers contiguous CPU tensors, the parameters of
+        its dtype); None otherwise."""
         ops = model.ops
         if not (model.cfg.native_decoder and isinstance(ops, CpuLayerOps) and isinstance(backend, CpuPagedAttention)
                 and backend.kernel.supports(model.dtype, model.cfg.head_dim)):
@@ -83,6 +91,8 @@ class NativeDecoder:
             return None
         if not all(p.is_contiguous() and p.device.type == "cpu" and p.dtype == model.dtype
                    for p in model.parameters()):
+            return None
+        if not all(b.is_contiguous() and b.device.type == "cpu" for b in model.buffers()):
             return None
         return cls(model, ops)
 
@@ -100,7 +110,7 @@ class NativeDecoder:
         cos, sin = self.model.rope_tables(max(meta.seq_lens_cpu, default=0), self.dtype)
         out = torch.empty(n, self.model.cfg.hidden_size, dtype=self.dtype)
         ran = self._forward(
-            self.dims.data_ptr(), self.eps, self.scale, self.layers, self.embed.data_ptr(),
+            self.dims.data_ptr(), self.eps, self.scale, self.layers, ctypes.byref(self.embed),
             self.model.norm.weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], kv_cache.data_ptr(),
             num_blocks, block_size, input_ids.data_ptr(), positions.data_ptr(), n, meta.slot_mapping.data_ptr(),
             meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.seq_lens.data_ptr(),
@@ -133,8 +143,8 @@ class NativeDecoder:
         drafts = torch.empty(len(budgets), max_budget, dtype=torch.int64)
         counts = torch.empty(len(budgets), dtype=torch.int64)
         ran = self._draft_greedy(
-            self.dims.data_ptr(), self.eps, self.scale, self.layers, self.embed.data_ptr(),
-            self.model.norm.weight.data_ptr(), self.head.data_ptr(), min(vocab_size, self.head.shape[0]),
+            self.dims.data_ptr(), self.eps, self.scale, self.layers, ctypes.byref(self.embed),
+            self.model.norm.weight.data_ptr(), ctypes.byref(self.head), min(vocab_size, self.head_rows),
             cos.data_ptr(),
             sin.data_ptr(), cos.shape[0],
             kv_cache.data_ptr(), num_blocks, block_size, input_ids.data_ptr(), positions.data_ptr(),
@@ -156,8 +166,8 @@ class NativeDecoder:
 
 
 def _unreadable_weight(model: CausalLM) -> str | None:
-    """'<parameter> in format <format>' for the first matrix of `model` that is not dense; None when
-    every one is."""
+    """'<parameter> in format <format>' for the first matrix of `model` that `_matrix` cannot
+    describe (the embedding table may not be stacked); None when it reads every one."""
     named: list[tuple[str, LinearWeight]] = [("embed_tokens", model.embed_tokens)]
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -165,12 +175,29 @@ def _unreadable_weight(model: CausalLM) -> str | None:
                   (f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj), (f"layers.{i}.mlp.down_proj", mlp.down_proj)]
     if model.lm_head is not None:
         named.append(("lm_head", model.lm_head))
-    return next((f"{name} in format {w.format!r}" for name, w in named if not isinstance(w, DenseWeight)), None)
+    return next((f"{name} in format {w.format!r}" for name, w in named
+                 if not _readable(w) or (name == "embed_tokens" and isinstance(w, StackedWeight))), None)
 
 
-def _dense(w: LinearWeight) -> torch.Tensor:
-    """The tensor of a weight that `_unreadable_weight` passed."""
-    return cast(DenseWeight, w).weight
+def _readable(w: LinearWeight) -> bool:
+    if isinstance(w, StackedWeight):
+        return len(w.parts) <= len(Matrix().parts) and all(_readable(p) and not isinstance(p, StackedWeight)
+                                                           for p in w.parts)
+    return isinstance(w, DenseWeight | BlockQuantWeight)
+
+
+def _matrix(w: LinearWeight) -> Matrix:
+    """kernels.h's Matrix of a weight that `_readable` passed (its tensors stay the model's)."""
+    matrix = Matrix()
+    parts = w.parts if isinstance(w, StackedWeight) else [w]
+    matrix.num_parts = len(parts)
+    for slot, part in zip(matrix.parts, parts, strict=False):
+        slot.rows = part.out_features
+        if isinstance(part, BlockQuantWeight):
+            slot.data, slot.qtype = part.blocks.data_ptr(), int(BLOCK_FORMATS[part.format].qtype)
+        else:
+            slot.data, slot.qtype = cast(DenseWeight, part).weight.data_ptr(), -1
+    return matrix
 
 
 def _raise_unless_ran(code: int) -> None:

@@ -15,7 +15,7 @@ which converts the dense checkpoint rows into the weight's format.
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -46,15 +46,16 @@ class LinearWeight(nn.Module):
     - Logically W is [out_features, in_features] (`shape`), rows being output features, whatever
       the storage; a format stores a row's values (or blocks of them) together, so any slice of
       rows is a destination the loader can write on its own (`__getitem__`).
-    - `format` (one per class) names the storage: "dense" for a plain tensor of the model's dtype;
-      quantized formats name their block layout (as GGUF names its tensor types).
+    - `format` names the storage: "dense" for a plain tensor of the model's dtype, "stacked" for
+      row ranges in formats of their own; block-quantized weights name their block layout (as GGUF
+      names its tensor types, `nanoserve.model.block_quant`).
     - The storage is this module's parameters or buffers, created at construction (on the
       current default device) and filled in place by the loader, so `model.parameters()`,
       `.to()` and memory accounting see it. Once the engine is built it never moves: the native
       decoder holds its addresses.
     """
 
-    format: ClassVar[str]
+    format: str
 
     def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()

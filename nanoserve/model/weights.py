@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from nanoserve.model.block_quant import BlockQuantWeight, BlockRows, QuantizedRows, dequantize
 from nanoserve.model.decoder import CausalLM, DecoderLayer
 from nanoserve.model.families import Family, TensorName
 from nanoserve.model.weight_formats import LinearWeight, WeightDestination
@@ -70,9 +71,10 @@ def expected_keys(model: CausalLM, family: Family) -> set[str]:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], family: Family) -> None:
-    """Copies checkpoint tensors (Hugging Face names of `family`) into the model, casting to the
-    model's dtype (each destination converts to its format)."""
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedRows]], family: Family) -> None:
+    """Copies checkpoint tensors (Hugging Face names of `family`) into the model: each destination
+    converts dense values to its format (casting to the model's dtype, or quantizing) and takes
+    `QuantizedRows` of its own block format as they are; a dense destination dequantizes them."""
     seen: set[str] = set()
     for name, tensor in tensors:
         dest = _target(model, family, name)
@@ -82,8 +84,22 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], f
             continue
         if dest.shape != tensor.shape:
             raise MissingWeightsError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        if isinstance(tensor, QuantizedRows):
+            _copy_blocks(dest, tensor, model.dtype)
+        else:
+            dest.copy_(tensor)
         seen.add(name)
     missing = expected_keys(model, family) - seen
     if missing:
         raise MissingWeightsError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _copy_blocks(dest: WeightDestination, rows: QuantizedRows, dtype: torch.dtype) -> None:
+    """Writes raw blocks into `dest`: byte for byte into block-quantized rows (which must be of
+    their format), dequantized to `dtype` into any other destination."""
+    if isinstance(dest, BlockQuantWeight):
+        dest = dest[0:dest.out_features]
+    if isinstance(dest, BlockRows):
+        dest.copy_(rows)
+    else:
+        dest.copy_(dequantize(rows, dtype))

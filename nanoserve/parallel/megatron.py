@@ -22,7 +22,6 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
@@ -71,6 +70,9 @@ class RowParallelOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.inner.silu_mul(gate_up)
 
+    def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
+        return self.inner.embed(ids, table)
+
 
 class TensorParallelCausalLM(CausalLM):
     """One rank's shard (see the module's docstring). `cfg` is the shard's (`shard_config`);
@@ -89,7 +91,7 @@ class TensorParallelCausalLM(CausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start
         elsewhere = (local < 0) | (local >= self.cfg.vocab_size)
-        rows = F.embedding(local.masked_fill(elsewhere, 0), self.embed_tokens.weight)
+        rows = self.ops.embed(local.masked_fill(elsewhere, 0), self.embed_tokens)
         return self.group.all_reduce(rows.masked_fill_(elsewhere[:, None], 0))
 
     @torch.inference_mode()
