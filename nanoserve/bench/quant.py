@@ -523,9 +523,9 @@ def run_quant_bench(cfg: QuantBenchConfig, progress: bool = True) -> QuantReport
                 result.results[engine] = run_isolated(job)
                 if progress:
                     r = result.results[engine]
-                    print(f"{shape} {fmt} {engine}: 1-stream {r.single_rate:.1f} tok/s, "
-                          + ", ".join(f"b{b} {r.rate(b):.1f}" for b in cfg.batch_sizes)
-                          + f", peak RSS {r.memory.peak / 1e6:.0f} MB", flush=True)
+                    rates = ", ".join(f"{'1-stream' if b == 1 else f'b{b}'} {r.rate(b):.1f} tok/s"
+                                      for b in (1, *cfg.batch_sizes))
+                    print(f"{shape} {fmt} {engine}: {rates}, peak RSS {r.memory.peak / 1e6:.0f} MB", flush=True)
             report.files.append(result)
     report.machine["load_after"] = _load()
     return report
