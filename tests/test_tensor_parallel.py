@@ -22,6 +22,7 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.model import load_model
+from nanoserve.model.gguf_export import export_gguf
 from nanoserve.parallel.group import free_port
 from nanoserve.parallel.megatron import shard_config
 from nanoserve.parallel.runner import TensorParallelRunner
@@ -79,6 +80,18 @@ def test_a_model_that_does_not_split_fails_the_build(make_checkpoint: Callable[.
     """Every rank refuses a model with one KV head, and no worker is left running."""
     with pytest.raises(ValueError, match="must divide num_key_value_heads=1"):
         build_engine(EngineArgs(model=str(make_checkpoint("mistral")), dtype="float32", tensor_parallel_size=2))
+    assert not _live_workers()
+
+
+def test_quantized_weights_are_refused_at_tensor_parallel(make_checkpoint: Callable[..., Path],
+                                                          tmp_path: Path) -> None:
+    """--quantization with several ranks is an argument error; a quantized GGUF fails the build
+    naming the format, and no worker is left running."""
+    with pytest.raises(ValueError, match="quantization must be 'none' with tensor_parallel_size > 1"):
+        EngineArgs(model="m", quantization="int8", tensor_parallel_size=2)
+    gguf_path = export_gguf(make_checkpoint("llama"), tmp_path / "llama-q8_0.gguf", "Q8_0")
+    with pytest.raises(ValueError, match=r"tensor parallelism shards dense weights; .* is 'q8_0'"):
+        build_engine(EngineArgs(model=str(gguf_path), dtype="float32", tensor_parallel_size=2))
     assert not _live_workers()
 
 

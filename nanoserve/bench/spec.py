@@ -88,7 +88,8 @@ def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> l
         raise ValueError("give --speculative-model or --speculative-method ngram")
     if cfg.repeats < 1:
         raise ValueError("repeats must be at least 1")
-    loaded = loaded or load_model(cfg.args.model, dtype=cfg.args.dtype, device=cfg.args.device)
+    loaded = loaded or load_model(cfg.args.model, dtype=cfg.args.dtype, device=cfg.args.device,
+                                  quantization=cfg.args.quantization)
     base = dataclasses.replace(cfg.args, speculative_method=None, speculative_model=None, enable_prefix_caching=False)
     spec = dataclasses.replace(cfg.args, enable_prefix_caching=False)
     rows = []

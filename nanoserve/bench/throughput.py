@@ -222,7 +222,7 @@ def engine_factory(args: EngineArgs, stand_in: bool) -> EngineFactory:
     """Builds engines for variants of `args`, loading the model (if any) only once."""
     if stand_in:
         return lambda a: stand_in_engine(**{f.name: getattr(a, f.name) for f in dataclasses.fields(a)})
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     return lambda a: build_engine(a, loaded)
 
 
