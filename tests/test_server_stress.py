@@ -88,10 +88,14 @@ def test_a_waiting_request_that_disconnects_leaves_the_queue(engine: LLMEngine) 
         wait_idle(app, timeout=10)
 
 
-def test_a_flood_meets_a_bounded_queue_with_429(engine: LLMEngine) -> None:
+def test_a_flood_meets_a_bounded_queue_with_429(demo_dir: Path) -> None:
+    # Streams long enough that the first two still run, however slowly the four are opened (they
+    # are aborted when the test closes them).
+    engine = make_engine(demo_dir, max_num_seqs=2, max_model_len=4096, num_kv_blocks=520)
+    long_stream = {**STREAM, "max_tokens": 4000}
     with serve(engine, max_queued_requests=2) as (url, app), contextlib.ExitStack() as streams:
         for _ in range(4):  # two run, two wait: the queue is full
-            streams.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=STREAM, timeout=60))
+            streams.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=long_stream, timeout=60))
         _wait_for(lambda: (app.state.engine.snapshot.num_running, app.state.engine.snapshot.num_waiting) == (2, 2))
         r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"

@@ -107,7 +107,10 @@ def test_tool_call_streamed(client: openai.OpenAI) -> None:
     first, *rest = calls
     assert first.index == 0 and first.id and first.type == "function"
     assert first.function and first.function.name == "get_weather" and first.function.arguments == ""
-    assert [c.function.arguments for c in rest if c.function] == ['{"city": ', '"Paris"}']  # as the tokens came
+    # The arguments come as the tokens do ('{"city": ', then '"Paris"}'), or merged into fewer
+    # chunks when this client reads more slowly than the engine steps: never an empty one.
+    pieces = [c.function.arguments for c in rest if c.function]
+    assert pieces and all(pieces)
     assert all(c.index == 0 and c.id is None and c.function and c.function.name is None for c in rest)
     assert "".join(c.function.arguments or "" for c in calls if c.function) == expected.function.arguments
     assert json.loads(expected.function.arguments) == CALL["arguments"]
