@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
+import nanoserve
 from nanoserve import LLM, SamplingParams
 from nanoserve.cli import main as cli_main
 from nanoserve.model import CausalLM, LoadedModel, load_model
@@ -50,6 +54,8 @@ LOGIT_TOLERANCE = 0.05  # relative RMS logit error against the dequantized dense
 # Q4_0 0.31; the same model with its Q rows left in llama.cpp's rotary order gives 0.76.
 SOURCE_TOLERANCE = {"q8_0": 0.05, "q4_0": 0.5}
 MEMORY_SLACK = 0.15  # parameter + buffer bytes within 15% of the GGUF file's tensor bytes
+LOAD_PEAK_SLACK = 0.15  # a load's peak resident growth within 15% of the file's size ...
+LOAD_PEAK_ALLOWANCE = 4 << 20  # ... plus these bytes (config, tokenizer), whatever the file
 LENGTHS = (1, 5, 23, 64)
 GREEDY_TOKENS = 12
 # Greedy runs of the quantized and the dense model are equal for STRICT_TOKENS tokens (measured:
@@ -247,6 +253,41 @@ def test_block_quantized_file_kept_quantized(gguf_file, family, kind):
     reference = load_model(src, dtype=torch.float32)
     seqs = _seqs(loaded.config.vocab_size)
     assert _relative_error(full_logits(reference, seqs), full_logits(loaded, seqs)) < SOURCE_TOLERANCE[fmt]
+
+
+# Run in a fresh interpreter: loads the file once (lazy imports, tokenizer, allocator warmed up), then
+# again after resetting the peak; prints resident bytes before and at the peak of the second load.
+_LOAD_PEAK = """
+import gc, sys, torch
+from nanoserve.model import load_model
+def status(key):
+    line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+torch.set_num_threads(1)
+load_model(sys.argv[1], dtype=torch.float32)
+gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+before = status("VmRSS")
+model = load_model(sys.argv[1], dtype=torch.float32)
+print(before, status("VmHWM"))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets Linux's peak RSS (VmHWM)")
+def test_gguf_load_peak_near_file_size(make_checkpoint, tmp_path):
+    """Loading a Q8_0 file (llama: Q/K rows un-permuted on the way) peaks near the file's size: each
+    tensor's mapped pages are dropped once copied, so the file is not held beside its copy (before
+    that, this load peaked at 1.6x the file)."""
+    src = make_checkpoint("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=6)
+    path = export_gguf(src, tmp_path / "llama-q8_0.gguf", "Q8_0")
+    size = path.stat().st_size
+    assert size > 20 << 20  # large enough for the allowance to be small beside it
+    env = {**os.environ, "PYTHONPATH": str(Path(nanoserve.__file__).parents[1])}  # this checkout's nanoserve
+    out = subprocess.run([sys.executable, "-c", _LOAD_PEAK, str(path)], capture_output=True, text=True,
+                         env=env, timeout=300, check=True).stdout
+    before, peak = map(int, out.split())
+    assert peak - before <= (1 + LOAD_PEAK_SLACK) * size + LOAD_PEAK_ALLOWANCE, (peak - before, size)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -3,7 +3,12 @@ tokenizer, and tensors under Hugging Face names in Hugging Face layout.
 
 Invariants:
 - Nothing is unpickled. Tensors are read from a copy-on-write memory map and converted one at a
-  time, so the file is never modified and never held twice in memory.
+  time, so the file is never modified and never held twice in memory: nothing writes to the map,
+  and once `weights()` resumes after a tensor (its consumer has copied it) that tensor's pages are
+  dropped from the map (`MADV_DONTNEED`), as are the metadata's once parsed. Dropping a page of a
+  private mapping that was never written only releases it: a later read (a page shared with the
+  next tensor, a view still held) reads the file again. So a load's resident memory peaks near
+  the copies' size plus one tensor, not the copies plus the whole file.
 - The file's architecture selects a family of the registry (`nanoserve.model.families`); its
   declaration names the tensors and says how llama.cpp stores them.
 - `weights()` yields exactly what the safetensors checkpoint the file was converted from holds
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -98,6 +104,7 @@ class GGUFCheckpoint(NamedTuple):
     generation_eos: tuple[int, ...]
     tensors: tuple[ReaderTensor, ...]
     family: Family
+    mapping: mmap.mmap  # the file's copy-on-write map that `tensors` view
 
     @property
     def tensor_formats(self) -> dict[str, str]:
@@ -108,7 +115,8 @@ class GGUFCheckpoint(NamedTuple):
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
         """(HF name, tensor in HF layout) pairs, read when reached: `QuantizedRows` sharing the
         file's memory map (one copy for un-permuted rows) for `KEPT_TYPES`, others converted to
-        `dtype`. A destination that keeps no blocks dequantizes them (`load_weights`)."""
+        `dtype`. A destination that keeps no blocks dequantizes them (`load_weights`). Each
+        tensor's pages are dropped from the map once the consumer asks for the next one."""
         cfg = self.hf_config
         heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
         interleaved = self.family.gguf is not None and self.family.gguf.interleaved_rotary
@@ -124,6 +132,7 @@ class GGUFCheckpoint(NamedTuple):
             if interleaved and rows is not None and rows in heads:
                 x = x[unpermute_rotary(torch.arange(x.shape[0]), heads[rows])]
             yield ref.hf_name, x
+            _release(self.mapping, t.data_offset, t.data_offset + t.n_bytes)
 
 
 class _Reader(GGUFReader):
@@ -167,7 +176,20 @@ def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFChec
     if other:
         log.info("%s: converting %s tensors to the model's dtype at load (nanoserve multiplies %s blocks)",
                  Path(path).name, ", ".join(other), ", ".join(q.name for q in KEPT_TYPES))
-    return GGUFCheckpoint(hf_config, tokenizer, generation_eos, tuple(reader.tensors), family)
+    mapping = reader.data._mmap  # type: ignore[attr-defined]  # np.memmap's own map of the file
+    assert isinstance(mapping, mmap.mmap)
+    if reader.tensors:  # metadata and tokenizer are parsed into Python values by now
+        _release(mapping, 0, min(t.data_offset for t in reader.tensors))
+    return GGUFCheckpoint(hf_config, tokenizer, generation_eos, tuple(reader.tensors), family, mapping)
+
+
+def _release(mapping: mmap.mmap, start: int, end: int) -> None:
+    """Drops the pages of `mapping` (private, never written) that hold bytes [start, end): from the
+    page holding `start` up to the one holding `end - 1`, so a page shared with a neighbouring
+    range is dropped too and read from the file again if that range is read."""
+    if end > start:
+        first = start - start % mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
