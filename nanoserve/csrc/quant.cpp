@@ -34,10 +34,10 @@
 // Structure (as linear.cpp): output columns shared among OpenMP threads in tasks of 64 rows of W;
 // in a task, W's rows in groups of NW (four for one row of x, two for more) against the rows of x in
 // groups of up to eight; each group of W's blocks is unpacked into registers once per group of x
-// rows and read from L1 for the next, so W streams from memory once per call. These products are
-// for a few dozen rows of x at most: where a GEMM on bf16 / fp32 is much faster per multiply-add
-// than the int8 lanes here, CpuLayerOps multiplies tiles of W dequantized by dequantize_rows instead
-// (see nanoserve/model/layer_ops.py for the cut).
+// rows and read from L1 for the next, so W streams from memory once per call (the next group of
+// rows prefetched meanwhile). These products are for a few dozen rows of x at most: where a GEMM on
+// bf16 / fp32 is much faster per multiply-add than the int8 lanes here, CpuLayerOps multiplies tiles
+// of W dequantized by dequantize_rows instead (see nanoserve/model/layer_ops.py for the cut).
 //
 // Layouts: x [M, K] contiguous; bias [N] or null (x's type); out row m at out + m * out_stride
 // (out_stride >= N: a fused matrix's parts write column slices of one output).
@@ -543,6 +543,13 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
     // The second group of a step may lie past K (an odd number of 32-value blocks): zero chunks,
     // against zero-padded activations.
     const bool pair = groups_per_step == 2 && g0 + 1 < num_groups;
+    // The same stretch of the next NW rows of W (the next call's, or the next task's: rows follow
+    // one another in memory), a cache line at a time: the hardware prefetcher does not run far
+    // enough ahead on NW interleaved streams, so W would otherwise arrive at a fraction of the rate
+    // memory delivers it. Into all cache levels (a prefetch never faults).
+    for (int j = NW; j < 2 * NW; ++j)
+      for (int64_t at = g0 * bytes; at < (g0 + groups_per_step) * bytes; at += 64)
+        __builtin_prefetch(w + j * row_bytes + at, 0, 3);
     G ga[NW], gb[NW];
     for (int j = 0; j < NW; ++j) {
       ga[j] = G(w + j * row_bytes + g0 * bytes);
