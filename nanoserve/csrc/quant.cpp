@@ -34,10 +34,10 @@
 // Structure (as linear.cpp): output columns shared among OpenMP threads in tasks of 64 rows of W;
 // in a task, W's rows in groups of NW (four for one row of x, two for more) against the rows of x in
 // groups of up to eight; each group of W's blocks is unpacked into registers once per group of x
-// rows and read from L1 for the next, so W streams from memory once per call. These products are
-// for a few dozen rows of x at most: where a GEMM on bf16 / fp32 is much faster per multiply-add
-// than the int8 lanes here, CpuLayerOps multiplies tiles of W dequantized by dequantize_rows instead
-// (see nanoserve/model/layer_ops.py for the cut).
+// rows and read from L1 for the next, so W streams from memory once per call (the next group of
+// rows prefetched meanwhile). These products are for a few dozen rows of x at most: where a GEMM on
+// bf16 / fp32 is much faster per multiply-add than the int8 lanes here, CpuLayerOps multiplies tiles
+// of W dequantized by dequantize_rows instead (see nanoserve/model/layer_ops.py for the cut).
 //
 // Layouts: x [M, K] contiguous; bias [N] or null (x's type); out row m at out + m * out_stride
 // (out_stride >= N: a fused matrix's parts write column slices of one output).
@@ -401,6 +401,16 @@ template <>
 struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0-3 and 4-7 take 2c, 2c + 1
   static constexpr int64_t values = 256;
   const uint8_t* p;
+#if defined(NANOSERVE_QUANT_ZMM)
+  __m512 all;  // the 16 scales
+  Group() = default;
+  explicit Group(const uint8_t* block)
+      : p(block),
+        all(_mm512_mul_ps(_mm512_set1_ps(fp16(block + 208)),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)))))) {}
+  __m256 half(int h) const { return h == 0 ? _mm512_castps512_ps256(all) : _mm512_extractf32x8_ps(all, 1); }
+#else
   __m256 scales[2];
   Group() = default;
   explicit Group(const uint8_t* block) : p(block) {
@@ -409,34 +419,45 @@ struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0
     scales[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
     scales[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
   }
+  __m256 half(int h) const { return scales[h]; }
+#endif
+  // Group g's two high bits (bits 2g, 2g + 1 of each qh byte) moved to bits 4-5 by one shift of the
+  // 16-bit lanes, left by 4 - 2g or right by 2g - 4 (what crosses into the neighbouring byte lands
+  // outside bits 4-5 there), then masked.
+  static __m256i top_bits(__m256i qh, int g) {
+    const __m256i moved = g < 2 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - 2 * g))
+                                : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g - 4));
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+  }
   __m256i u(int c) const {
     const int h = c / 4, g = c % 4;
     const __m256i ql = load32(p + 64 * h + 32 * (g % 2));
     const __m256i low = g < 2 ? low_nibbles(ql) : high_nibbles(ql);
-    const __m256i top = _mm256_and_si256(_mm256_srl_epi16(load32(p + 128 + 32 * h), _mm_cvtsi32_si128(2 * g)),
-                                         _mm256_set1_epi8(3));
-    return _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+    return _mm256_or_si256(low, top_bits(load32(p + 128 + 32 * h), g));
   }
   __m256 s(int c) const {
     const int i = 2 * (c % 4);
-    return _mm256_permutevar8x32_ps(scales[c / 4], _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
+    return _mm256_permutevar8x32_ps(half(c / 4), _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
   }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v, 2v + 1: groups g, g + 1 of half v / 2 (g = 2 (v % 2)), ql runs 0 and 1
-    const int h = v / 2, g = 2 * (v % 2);
+    // As top_bits for both groups at once (groups 0, 1: left by 4, 2; groups 2, 3: right by 0, 2), and
+    // the nibbles and those bits merged by one vpternlogd: (low & 0x0f) | top.
+    const int h = v / 2;
     const __m512i ql = _mm512_loadu_si512(p + 64 * h);
-    const __m512i low = _mm512_and_si512(g == 0 ? ql : _mm512_srli_epi16(ql, 4), _mm512_set1_epi8(0x0f));
-    const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * g))),
-                                             _mm256_set1_epi16(static_cast<int16_t>(2 * g + 2)), 1);
-    const __m512i top = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p + 128 + 32 * h)), shift),
-                                         _mm512_set1_epi8(3));
-    return _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
+    const __m512i low = v % 2 == 0 ? ql : _mm512_srli_epi16(ql, 4);
+    const __m512i qh = _mm512_broadcast_i64x4(load32(p + 128 + 32 * h));
+    const __m512i by = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(v % 2 == 0 ? 4 : 0)),
+                                          _mm256_set1_epi16(2), 1);
+    const __m512i top = _mm512_and_si512(v % 2 == 0 ? _mm512_sllv_epi16(qh, by) : _mm512_srlv_epi16(qh, by),
+                                         _mm512_set1_epi8(0x30));
+    return _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi8(0x0f), 0xec);
   }
   FV sv(int v) const {  // lane l: scale 4v + l / 4
     const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * v),
                                            _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
                                                                                12, 13, 14, 15), 2));
-    return _mm512_permutexvar_ps(lanes, join(scales[0], scales[1]));
+    return _mm512_permutexvar_ps(lanes, all);
   }
 #else
   IV uv(int v) const { return u(v); }
@@ -543,11 +564,21 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
     // The second group of a step may lie past K (an odd number of 32-value blocks): zero chunks,
     // against zero-padded activations.
     const bool pair = groups_per_step == 2 && g0 + 1 < num_groups;
+    // The same stretch of the next NW rows of W (the next call's, or the next task's: rows follow
+    // one another in memory), a cache line at a time: the hardware prefetcher does not run far
+    // enough ahead on NW interleaved streams, so W would otherwise arrive at a fraction of the rate
+    // memory delivers it. Into all cache levels (a prefetch never faults).
+    for (int j = NW; j < 2 * NW; ++j)
+      for (int64_t at = g0 * bytes; at < (g0 + groups_per_step) * bytes; at += 64)
+        __builtin_prefetch(w + j * row_bytes + at, 0, 3);
     G ga[NW], gb[NW];
     for (int j = 0; j < NW; ++j) {
       ga[j] = G(w + j * row_bytes + g0 * bytes);
       if (pair) gb[j] = G(w + j * row_bytes + (g0 + 1) * bytes);
     }
+    // Unrolled: each vector's offsets and lanes are then constants, with no address or index
+    // arithmetic per vector.
+#pragma GCC unroll 8
     for (int64_t v = 0; v < per_step / kVecValues; ++v) {
       IV u[NW];
       FV s[NW];
