@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from nanoserve.server.data_parallel import available_cpus
+from nanoserve.server.data_parallel import available_cpus, free_port_range
 from nanoserve.server.processes import spawn, stop
 
 SETUPS = ("1 replica, 1 core", "1 replica, 2 cores", "DP=2, 1 core each", "DP=2, 1 core each, round robin")
@@ -43,26 +42,13 @@ def cpu_name() -> str:
     return f"{names[0] if names else 'unknown CPU'}, {len(available_cpus())} cores available"
 
 
-def free_port(span: int) -> int:
-    """The first of `span` consecutive free loopback ports."""
-    for start in range(20000, 60000, 97):
-        try:
-            for port in range(start, start + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return start
-    raise RuntimeError("no free port range")
-
-
 @contextmanager
 def server(setup: str, model: list[str]) -> Iterator[str]:
     """One setup serving on loopback; yields its URL once it answers (through the router for DP)."""
     cpus = available_cpus()
     if len(cpus) < 2:
         raise SystemExit("this benchmark needs 2 cores")
-    port = free_port(4)
+    port = free_port_range(4)
     serve = [sys.executable, "-m", "nanoserve.cli", "--log-level", "WARNING", "serve", *model, "--port", str(port),
              "--served-model-name", "bench"]
     no_key = {"NANOSERVE_API_KEY": ""}

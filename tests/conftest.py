@@ -1,4 +1,5 @@
-"""Fixtures: tiny random checkpoints of every supported family, built with transformers."""
+"""Fixtures: tiny random checkpoints of every supported family, built with transformers; the demo
+model's engine and a server on it, one of each per test module (a module may define its own)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from fastapi import FastAPI
+from test_server_helpers import make_engine, serve
+
+from nanoserve.engine.llm_engine import LLMEngine
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -102,3 +107,16 @@ def browser_page(chromium: Any) -> Iterator[Any]:
     yield page
     context.close()
     assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+@pytest.fixture(scope="module")
+def engine(demo_dir: Path) -> LLMEngine:
+    """The demo model's engine with the server tests' settings (`make_engine`)."""
+    return make_engine(demo_dir)
+
+
+@pytest.fixture(scope="module")
+def server(engine: LLMEngine) -> Iterator[tuple[str, FastAPI]]:
+    """`engine` behind a fresh app on a free loopback port: (base url, app)."""
+    with serve(engine) as served:
+        yield served

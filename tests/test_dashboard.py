@@ -6,7 +6,6 @@ guards it, and nothing is built while nobody watches)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from test_server_helpers import make_engine, pace, serve, wait_idle
+from test_server_helpers import background_load, make_engine, pace, serve, wait_idle
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
@@ -145,32 +144,6 @@ def _records(response: httpx.Response) -> Iterator[dict[str, Any]]:
         assert next(lines) == ""
 
 
-def _load(url: str, n: int, max_tokens: int) -> threading.Thread:
-    """n concurrent completions on a background thread (started)."""
-
-    def run() -> None:
-        def one(i: int) -> None:
-            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-                "model": "demo", "prompt": f"Request {i}: " + "the quick brown fox " * 6, "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
-@pytest.fixture(scope="module")
-def engine(demo_dir: Path) -> LLMEngine:
-    return make_engine(demo_dir)
-
-
 def test_dashboard_page_is_served(engine: LLMEngine) -> None:
     with serve(engine) as (url, _):
         r = httpx.get(f"{url}/dashboard")
@@ -186,7 +159,7 @@ def test_blocks_fill_under_load_and_empty_after(engine: LLMEngine, monkeypatch: 
         first = next(records)
         assert len(first["blocks"]["states"]) == engine.num_blocks
         assert first["limits"]["max_num_batched_tokens"] == engine.args.max_num_batched_tokens
-        load = _load(url, 8, 32)
+        load = background_load(url, 8, 32)
         busy: list[dict[str, Any]] = []
         for record in records:
             busy.append(record)
@@ -232,7 +205,7 @@ def test_nothing_is_built_while_nobody_watches(demo_dir: Path) -> None:
     engine.__class__ = CountingEngine
     assert isinstance(engine, CountingEngine)
     with serve(engine) as (url, app):
-        _load(url, 4, 8).join()
+        background_load(url, 4, 8).join()
         wait_idle(app)
         assert engine.stats_calls == 0 and not engine.recording_steps
         for _ in range(2):  # two viewers in turn: each starts the records, each leaves them stopped
@@ -247,7 +220,7 @@ def test_nothing_is_built_while_nobody_watches(demo_dir: Path) -> None:
                 assert time.monotonic() < deadline, "the stats records did not stop"
                 time.sleep(0.02)
             calls = engine.stats_calls
-            _load(url, 2, 8).join()
+            background_load(url, 2, 8).join()
             time.sleep(0.5)
             assert engine.stats_calls == calls
 

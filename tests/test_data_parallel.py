@@ -25,7 +25,7 @@ import pytest
 from nanoserve import cli
 from nanoserve.commands.serve import replica_argv
 from nanoserve.server import data_parallel, processes
-from nanoserve.server.data_parallel import DataParallelPlan, split_cpus
+from nanoserve.server.data_parallel import DataParallelPlan, free_port_range, split_cpus
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -56,24 +56,10 @@ class Launched:
         raise AssertionError(f"no replica on port {port} among {children}")
 
 
-def _free_ports(n: int) -> int:
-    """The first of n consecutive free loopback ports."""
-    for _ in range(100):
-        start = random.randint(20000, 60000)
-        try:
-            for port in range(start, start + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return start
-    raise RuntimeError("no free port range")
-
-
 @contextlib.contextmanager
 def launched(demo_dir: Path, tmp_path: Path, policy: str, api_key: str | None = None) -> Iterator[Launched]:
     """The one command in a subprocess; `api_key` given through $NANOSERVE_API_KEY."""
-    port = _free_ports(4)
+    port = free_port_range(4)
     log = tmp_path / f"dp-{policy}.log"
     cmd = [sys.executable, "-m", "nanoserve.cli", "--log-level", "WARNING", "serve", str(demo_dir), "--port",
            str(port), "--data-parallel-size", "2", "--router-policy", policy, *REPLICA_ARGS]
@@ -230,7 +216,7 @@ def test_data_parallel_with_tensor_parallel_is_refused(capsys: pytest.CaptureFix
 
 
 def test_a_port_of_the_layout_in_use_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
-    port = _free_ports(4)
+    port = free_port_range(4)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + 2))
         taken.listen()
@@ -243,7 +229,7 @@ def test_a_missing_router_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else real(name))
-    assert cli.main(["serve", "--port", str(_free_ports(4)), "--data-parallel-size", "2"]) == 2
+    assert cli.main(["serve", "--port", str(free_port_range(4)), "--data-parallel-size", "2"]) == 2
     assert "pip install 'nanoserve[router]'" in capsys.readouterr().err
 
 

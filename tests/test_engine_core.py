@@ -46,11 +46,6 @@ from nanoserve.server.launcher import ServerThread
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(demo_dir: Path) -> LLMEngine:
-    return make_engine(demo_dir)
-
-
 def _drive(engine: LLMEngine, script: list[list[Command]]) -> list[Message]:
     """Runs the core on this thread: `receive` hands out the scripted batches of commands one per
     iteration, then nothing while requests are unfinished, then a stop. Returns every message."""

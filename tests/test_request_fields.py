@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 from fastapi import FastAPI
-from test_server_helpers import ENGINE_ARGS, SERVED, make_engine, serve, sse_payloads, wait_idle
+from test_server_helpers import ENGINE_ARGS, SERVED, serve, sse_payloads, wait_idle
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.llm_engine import LLMEngine
@@ -168,11 +168,6 @@ def test_generation_config_defaults(tmp_path: Path, make_checkpoint: Any) -> Non
 
 
 # ---- the server ----
-
-@pytest.fixture(scope="module")
-def engine(demo_dir: Path) -> LLMEngine:
-    return make_engine(demo_dir)
-
 
 @pytest.fixture(scope="module")
 def server(engine: LLMEngine) -> Iterator[tuple[str, FastAPI]]:

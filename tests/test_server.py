@@ -19,10 +19,8 @@ from fastapi import FastAPI
 from test_server_helpers import (
     ENGINE_ARGS,
     SERVED,
-    make_engine,
     metric_value,
     pace,
-    serve,
     sse_payloads,
     wait_idle,
 )
@@ -33,17 +31,6 @@ from nanoserve.engine.llm_engine import LLMEngine
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 LONG = {"ignore_eos": True}  # the demo model's random weights may emit EOS at any point
-
-
-@pytest.fixture(scope="module")
-def engine(demo_dir: Path) -> LLMEngine:
-    return make_engine(demo_dir)
-
-
-@pytest.fixture(scope="module")
-def server(engine: LLMEngine) -> Iterator[tuple[str, FastAPI]]:
-    with serve(engine) as served:
-        yield served
 
 
 @pytest.fixture

@@ -68,17 +68,6 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None, str]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(demo_dir: Path) -> LLMEngine:
-    return make_engine(demo_dir)
-
-
-@pytest.fixture(scope="module")
-def server(engine: LLMEngine) -> Iterator[tuple[str, FastAPI]]:
-    with serve(engine) as served:
-        yield served
-
-
 @pytest.fixture
 def url(server: tuple[str, FastAPI], engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The base URL, with paced steps so that each failure meets requests in flight; after each

@@ -4,12 +4,14 @@ for the KV pool to be free again, and a strict parser of SSE bytes."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
 
@@ -81,3 +83,24 @@ def metric_value(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     raise AssertionError(f"no sample {name}")
+
+
+def background_load(url: str, n: int, max_tokens: int, headers: dict[str, str] | None = None) -> threading.Thread:
+    """n concurrent completions on a background thread (started)."""
+
+    def one(i: int) -> None:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, headers=headers, json={
+            "prompt": f"Request {i}: " + "the quick brown fox " * 6, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    def run() -> None:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

@@ -21,7 +21,7 @@ import openai
 import pydantic
 import pytest
 from fastapi import FastAPI
-from test_server_helpers import SERVED, make_engine, pace, serve, sse_payloads, wait_idle
+from test_server_helpers import SERVED, pace, sse_payloads, wait_idle
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.llm_engine import LLMEngine
@@ -277,17 +277,6 @@ def test_abort_and_failure_while_compiling(demo_dir: Path) -> None:
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=8)
     age: int = pydantic.Field(ge=0, le=120)
-
-
-@pytest.fixture(scope="module")
-def engine(demo_dir: Path) -> LLMEngine:
-    return make_engine(demo_dir)
-
-
-@pytest.fixture(scope="module")
-def server(engine: LLMEngine) -> Iterator[tuple[str, FastAPI]]:
-    with serve(engine) as served:
-        yield served
 
 
 @pytest.fixture

@@ -26,17 +26,6 @@ API_KEY = "sekret-test-key"
 Page = Any  # playwright.sync_api.Page (the package is imported only where a browser exists)
 
 
-@pytest.fixture(scope="module")
-def engine(demo_dir: Path) -> LLMEngine:
-    return make_engine(demo_dir)
-
-
-@pytest.fixture(scope="module")
-def server(engine: LLMEngine) -> Iterator[tuple[str, FastAPI]]:
-    with serve(engine) as served:
-        yield served
-
-
 @pytest.fixture
 def url(server: tuple[str, FastAPI]) -> Iterator[str]:
     """The base URL; after each test the engine must hold nothing and the KV pool be free."""

@@ -7,25 +7,17 @@ for the key and then connects.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from test_server_helpers import make_engine, pace, serve, wait_idle
+from test_server_helpers import background_load, pace, serve, wait_idle
 
 from nanoserve.engine.llm_engine import LLMEngine
 
 API_KEY = "dashboard-test-key"
 Page = Any  # playwright.sync_api.Page (the package is imported only where a browser exists)
-
-
-@pytest.fixture(scope="module")
-def engine(demo_dir: Path) -> LLMEngine:
-    return make_engine(demo_dir)
 
 
 def _count(page: Page, element_id: str) -> int:
@@ -42,27 +34,6 @@ def _wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _load(url: str, n: int, max_tokens: int, headers: dict[str, str] | None = None) -> threading.Thread:
-    """n concurrent completions on a background thread (started)."""
-
-    def one(i: int) -> None:
-        r = httpx.post(f"{url}/v1/completions", timeout=120, headers=headers, json={
-            "prompt": f"Request {i}: " + "the quick brown fox " * 6, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-
-    def run() -> None:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
 def test_blocks_fill_while_a_load_runs_and_the_page_returns_to_idle(
         engine: LLMEngine, browser_page: Page, monkeypatch: pytest.MonkeyPatch) -> None:
     pace(engine, monkeypatch, 0.03)  # the load spans many stats records
@@ -74,7 +45,7 @@ def test_blocks_fill_while_a_load_runs_and_the_page_returns_to_idle(
         assert _count(page, "n-used") == 0 and _count(page, "t-running") == 0
         assert _count(page, "n-free") + _count(page, "n-cached") == engine.num_blocks
 
-        load = _load(url, 8, 48)
+        load = background_load(url, 8, 48)
         seen_used = seen_running = seen_rows = 0
         while load.is_alive():
             seen_used = max(seen_used, _count(page, "n-used") + _count(page, "n-pinned"))
@@ -106,5 +77,5 @@ def test_the_page_asks_for_the_api_key_then_connects(engine: LLMEngine, browser_
         page.locator("#key-input").fill(API_KEY)
         page.locator("#key-input").press("Enter")
         _wait_until(lambda: page.locator("#status").inner_text() == "live", 10, "a live stream with the key")
-        _load(url, 2, 8, {"Authorization": f"Bearer {API_KEY}"}).join()
+        background_load(url, 2, 8, {"Authorization": f"Bearer {API_KEY}"}).join()
         _wait_until(lambda: _count(page, "n-cached") > 0, 10, "the finished requests' cached blocks")

@@ -721,6 +721,29 @@ void dequantize_rows(const uint8_t* w, int qtype, int64_t K, const int64_t* rows
   }
 }
 
+// Whether this file takes GGUF type qtype with rows of K values (whole blocks).
+bool takes(int qtype, int64_t K) { return layout(qtype).values != 0 && K % layout(qtype).values == 0; }
+
+// The entry points' checks around quant_linear and dequantize_rows (see their declarations below).
+template <typename T>
+int checked_quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out, int64_t out_stride,
+                         int64_t M, int64_t N, int64_t K, int num_threads) {
+  if (!takes(qtype, K)) return 0;
+  quant_linear(x, w, qtype, bias, out, out_stride, M, N, K, num_threads);
+  return 1;
+}
+
+template <typename T>
+int checked_dequantize_rows(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows, int64_t n,
+                            T* out, int num_threads) {
+  if (!takes(qtype, K)) return 0;
+  for (int64_t i = 0; rows != nullptr && i < n; ++i)
+    if (rows[i] < 0 || rows[i] >= num_rows) return -1;
+  if (rows == nullptr && n > num_rows) return -1;
+  dequantize_rows(w, qtype, K, rows, n, out, num_threads);
+  return 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -729,15 +752,11 @@ extern "C" {
 // its block; returns 0, writing nothing, for a type or K this file does not take, else 1).
 int nanoserve_quant_linear_f32(const float* x, const uint8_t* w, int qtype, const float* bias, float* out,
                                int64_t out_stride, int64_t M, int64_t N, int64_t K, int num_threads) {
-  if (layout(qtype).values == 0 || K % layout(qtype).values != 0) return 0;
-  quant_linear(x, w, qtype, bias, out, out_stride, M, N, K, num_threads);
-  return 1;
+  return checked_quant_linear(x, w, qtype, bias, out, out_stride, M, N, K, num_threads);
 }
 int nanoserve_quant_linear_bf16(const uint16_t* x, const uint8_t* w, int qtype, const uint16_t* bias, uint16_t* out,
                                 int64_t out_stride, int64_t M, int64_t N, int64_t K, int num_threads) {
-  if (layout(qtype).values == 0 || K % layout(qtype).values != 0) return 0;
-  quant_linear(x, w, qtype, bias, out, out_stride, M, N, K, num_threads);
-  return 1;
+  return checked_quant_linear(x, w, qtype, bias, out, out_stride, M, N, K, num_threads);
 }
 
 // out[i] = W[rows[i]] dequantized (rows null: W[i]), i < n, for W [num_rows, K] in GGUF type qtype.
@@ -745,21 +764,11 @@ int nanoserve_quant_linear_bf16(const uint16_t* x, const uint8_t* w, int qtype, 
 // is written unless it returns 1.
 int nanoserve_dequantize_rows_f32(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows,
                                   int64_t n, float* out, int num_threads) {
-  if (layout(qtype).values == 0 || K % layout(qtype).values != 0) return 0;
-  for (int64_t i = 0; rows != nullptr && i < n; ++i)
-    if (rows[i] < 0 || rows[i] >= num_rows) return -1;
-  if (rows == nullptr && n > num_rows) return -1;
-  dequantize_rows(w, qtype, K, rows, n, out, num_threads);
-  return 1;
+  return checked_dequantize_rows(w, qtype, num_rows, K, rows, n, out, num_threads);
 }
 int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows,
                                    int64_t n, uint16_t* out, int num_threads) {
-  if (layout(qtype).values == 0 || K % layout(qtype).values != 0) return 0;
-  for (int64_t i = 0; rows != nullptr && i < n; ++i)
-    if (rows[i] < 0 || rows[i] >= num_rows) return -1;
-  if (rows == nullptr && n > num_rows) return -1;
-  dequantize_rows(w, qtype, K, rows, n, out, num_threads);
-  return 1;
+  return checked_dequantize_rows(w, qtype, num_rows, K, rows, n, out, num_threads);
 }
 
 // Which dot product the quantized products use: 3 AVX512-VNNI, 2 AVX-VNNI (256-bit), 1 AVX2

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -124,6 +125,21 @@ class DataParallelPlan:
                     raise ValueError(f"port {port} on {host} is not free ({e.strerror}); with --data-parallel-size "
                                      f"{self.size} the router, replicas and router metrics use ports {self.port} "
                                      f"to {self.metrics_port}: pick another --port") from e
+
+
+def free_port_range(span: int, attempts: int = 100) -> int:
+    """The first of `span` consecutive loopback ports that nothing listens on now (a layout for
+    `--port`), tried from random starts in [20000, 60000); RuntimeError after `attempts` tries."""
+    for _ in range(attempts):
+        start = random.randint(20000, 60000 - span)
+        try:
+            for port in range(start, start + span):
+                with socket.socket() as s:
+                    s.bind((REPLICA_HOST, port))
+        except OSError:
+            continue
+        return start
+    raise RuntimeError(f"no {span} consecutive free loopback ports found")
 
 
 def healthy(url: str) -> bool:
