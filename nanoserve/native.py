@@ -112,6 +112,7 @@ SIGNATURES: dict[str, Signature] = {
     **{f"{name}_{suffix}": sig for name, sig in _PER_DTYPE.items() for suffix in DTYPE_SUFFIX.values()},
     "nanoserve_linear_bf16_native": Signature(_INT, ()),  # linear.cpp
     "nanoserve_quant_isa": Signature(_INT, ()),  # quant.cpp
+    "nanoserve_quant_amx_rows": Signature(_INT, ()),  # quant.cpp
 }
 
 

@@ -68,6 +68,7 @@ int nanoserve_dequantize_rows_f32(const uint8_t* w, int qtype, int64_t num_rows,
 int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows,
                                    int64_t n, uint16_t* out, int num_threads);
 int nanoserve_quant_isa();
+int nanoserve_quant_amx_rows();
 
 // paged_attention.cpp
 int nanoserve_paged_attention_f32(const float* q, int64_t q_stride, const float* cache, float* out,

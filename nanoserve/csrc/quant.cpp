@@ -35,9 +35,11 @@
 // in a task, W's rows in groups of NW (four for one row of x, two for more) against the rows of x in
 // groups of up to eight; each group of W's blocks is unpacked into registers once per group of x
 // rows and read from L1 for the next, so W streams from memory once per call (the next group of
-// rows prefetched meanwhile). These products are for a few dozen rows of x at most: where a GEMM on
-// bf16 / fp32 is much faster per multiply-add than the int8 lanes here, CpuLayerOps multiplies tiles
-// of W dequantized by dequantize_rows instead (see nanoserve/model/layer_ops.py for the cut).
+// rows prefetched meanwhile). These products are for a few dozen rows of x at most: on CPUs with
+// AMX, bf16 x of kAmxRows rows or more goes to AMX tiles of W dequantized (amx_products, below);
+// elsewhere, where a GEMM on bf16 / fp32 is much faster per multiply-add than the int8 lanes here,
+// CpuLayerOps multiplies tiles of W dequantized by dequantize_rows instead (see
+// nanoserve/model/layer_ops.py for the cut).
 //
 // Layouts: x [M, K] contiguous; bias [N] or null (x's type); out row m at out + m * out_stride
 // (out_stride >= N: a fused matrix's parts write column slices of one output).
@@ -49,6 +51,10 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "kernels.h"
@@ -184,6 +190,10 @@ inline void dequantize_row_scalar(int qtype, const uint8_t* src, int64_t K, floa
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define NANOSERVE_QUANT_ZMM 1  // the k-quant groups unpack two chunks at once (uv, sv)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
+#define NANOSERVE_QUANT_AMX 1  // products of many rows of x in AMX tiles
+constexpr int64_t kAmxRows = 10;  // rows of x from which they take the AMX path
+#endif
 constexpr int kIsa = 3;
 constexpr bool kSignTrick = false;
 typedef __m512i IV;  // 64 bytes: two chunks
@@ -279,7 +289,6 @@ struct Group<kQ8_0> {  // one block
     const __m256i q = load32(p + 2);
     return kSignTrick ? q : _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
   }
-  __m256 s(int) const { return scale; }
 #if defined(NANOSERVE_QUANT_ZMM)  // a vector is two blocks: this one at a, the next at b (null: none)
   static FV pair_scales(const uint8_t* a, const uint8_t* b) { return scales_of_two(a, b); }
 #else  // a vector is this one block
@@ -300,7 +309,6 @@ struct Group<kQ4_0> {  // one block
     const __m128i mask = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
   }
-  __m256 s(int) const { return scale; }
 #if defined(NANOSERVE_QUANT_ZMM)  // a vector is two blocks: this one at a, the next at b (null: none)
   static FV pair_scales(const uint8_t* a, const uint8_t* b) { return scales_of_two(a, b); }
 #else  // a vector is this one block
@@ -310,7 +318,7 @@ struct Group<kQ4_0> {  // one block
 };
 
 // q4_k and q5_k: scales d * sc[c] and mins dmin * mn[c] per chunk c, in lanes 0-7 and 8-15 of
-// `both` (512-bit vectors) or in `scales` and `mins`. min_lanes() holds the mins in the lanes where
+// `both` (512-bit vectors) or in `scale8` and `min8`. min_lanes() holds the mins in the lanes where
 // place_sums puts the activation's chunk sums (the rest zero there).
 template <int Q>
 struct KGroup {
@@ -332,7 +340,6 @@ struct KGroup {
     both = _mm512_mul_ps(factors, ints);
   }
   __m256 scales() const { return _mm512_castps512_ps256(both); }
-  __m256 mins() const { return _mm512_extractf32x8_ps(both, 1); }
   FV min_lanes() const { return both; }
   static FV place_sums(__m256 sums) { return _mm512_insertf32x8(_mm512_setzero_ps(), sums, 1); }
 #else
@@ -347,7 +354,6 @@ struct KGroup {
                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
   }
   __m256 scales() const { return scale8; }
-  __m256 mins() const { return min8; }
   FV min_lanes() const { return min8; }
   static FV place_sums(__m256 sums) { return sums; }
 #endif
@@ -465,34 +471,109 @@ struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0
 #endif
 };
 
-// One row of W [K] as floats through the groups' chunks: value = s * (u - offset) - min, the
-// operations and their order those of dequantize_block (so the same bits).
+// Group Q's scales at block p as dequantize_block computes them: s[i] that of values 16i .. 16i + 15,
+// mins[c] (k-quants with mins) the min of chunk c.
 template <int Q>
-void dequantize_row(const uint8_t* src, int64_t K, float* y) {
+inline void group_scales(const uint8_t* p, float* s, float* mins) {
+  if constexpr (Q == kQ8_0 || Q == kQ4_0) {
+    s[0] = s[1] = fp16(p);
+  } else if constexpr (has_mins(Q)) {
+    const float d = fp16(p), dmin = fp16(p + 2);
+    uint64_t sc, mn;
+    k_scales(p + 4, &sc, &mn);
+    for (int c = 0; c < 8; ++c) {
+      s[2 * c] = s[2 * c + 1] = d * static_cast<float>((sc >> (8 * c)) & 0xff);
+      mins[c] = dmin * static_cast<float>((mn >> (8 * c)) & 0xff);
+    }
+  } else {  // q6_k: a scale per 16 values
+    const float d = fp16(p + 208);
+    for (int i = 0; i < 16; ++i) s[i] = d * static_cast<float>(static_cast<int8_t>(p[192 + i]));
+  }
+}
+
+// 16 values s * (u - offset) - min (min only `with_min`) of 16 bytes u (unsigned; signed where
+// `signed_u`) as fp32: a multiply, then a subtraction, as dequantize_block computes them.
+#if defined(NANOSERVE_QUANT_ZMM)
+template <bool signed_u, bool with_min>
+inline __m512 values16(__m128i u, int offset, float s, float min) {
+  const __m512i wide = signed_u ? _mm512_cvtepi8_epi32(u) : _mm512_cvtepu8_epi32(u);
+  __m512 v = _mm512_mul_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, _mm512_set1_epi32(offset))));
+  if constexpr (with_min) v = _mm512_sub_ps(v, _mm512_set1_ps(min));
+  return v;
+}
+
+inline void store16(__m512 v, float* dst) { _mm512_storeu_ps(dst, v); }
+inline void store16(__m512 v, uint16_t* dst) {  // from_float, lane by lane
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i out = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(out));
+}
+
+// A chunk's 32 values (lo: 0-15, hi: 16-31) as T at dst. For bf16 with AVX512-BF16 one vcvtne2ps2bf16
+// rounds both halves: to nearest even as from_float, the same bits for every value a block holds
+// (dequantized values are zero or normal floats; a NaN scale gives a NaN either way).
+template <typename T>
+inline void store32(__m512 lo, __m512 hi, T* dst) {
+#if defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == sizeof(uint16_t)) {
+    _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    return;
+  }
+#endif
+  store16(lo, dst);
+  store16(hi, dst + 16);
+}
+#endif
+
+// A chunk of 32 bytes u as T at dst: s_lo, s_hi the scales of values 0-15 and 16-31.
+template <bool signed_u, bool with_min, typename T>
+inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, float min, T* dst) {
+#if defined(NANOSERVE_QUANT_ZMM)
+  store32(values16<signed_u, with_min>(_mm256_castsi256_si128(u), offset, s_lo, min),
+          values16<signed_u, with_min>(_mm256_extracti128_si256(u, 1), offset, s_hi, min), dst);
+#else
+  for (int h = 0; h < 4; ++h) {
+    const __m128i bytes = _mm_srli_si128(h < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1),
+                                         8 * (h % 2));
+    const __m256i wide = signed_u ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    __m256 v = _mm256_mul_ps(_mm256_set1_ps(h < 2 ? s_lo : s_hi),
+                             _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, _mm256_set1_epi32(offset))));
+    if constexpr (with_min) v = _mm256_sub_ps(v, _mm256_set1_ps(min));
+    store8(v, dst + 8 * h);
+  }
+#endif
+}
+
+// One row of W [K] as T, chunk by chunk through the groups' unsigned bytes (q8_0: its signed quants
+// as they are): value = s * (u - offset) - min, as dequantize_block computes it (so the same bits).
+// Chunk c (values 32c .. 32c + 31) goes to y + c * chunk_stride (32: a contiguous row).
+template <int Q, typename T>
+void dequantize_row(const uint8_t* src, int64_t K, T* y, int64_t chunk_stride = kChunk) {
   using G = Group<Q>;
-  constexpr bool signed_u = Q == kQ8_0 && kSignTrick;  // u is q itself there
-  const __m256i offset = _mm256_set1_epi32(offset_of(Q));
+  constexpr int64_t chunks = G::values / kChunk;
   for (int64_t gi = 0; gi < K / G::values; ++gi) {
-    const G g(src + gi * layout(Q).bytes);
-    for (int c = 0; c < G::values / kChunk; ++c) {
-      alignas(32) uint8_t u[32];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(u), g.u(c));
-      const __m256 scale = g.s(c);
-      for (int h = 0; h < 4; ++h) {  // eight values: lanes 2h and 2h + 1
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 8 * h));
-        const __m256i wide = signed_u ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
-        const __m256i q = _mm256_sub_epi32(wide, offset);
-        const __m256 s8 = _mm256_permutevar8x32_ps(scale, _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1,
-                                                                             2 * h + 1, 2 * h + 1, 2 * h + 1));
-        __m256 v = _mm256_mul_ps(s8, _mm256_cvtepi32_ps(q));
-        if constexpr (has_mins(Q)) v = _mm256_sub_ps(v, lanes_of(g.mins(), c));
-        _mm256_storeu_ps(y + gi * G::values + c * kChunk + 8 * h, v);
-      }
+    const uint8_t* p = src + gi * layout(Q).bytes;
+    float s[G::values / 16], mins[chunks] = {};
+    group_scales<Q>(p, s, mins);
+    T* out = y + gi * chunks * chunk_stride;
+    if constexpr (Q == kQ8_0) {
+      dequantize_chunk<true, false>(load32(p + 2), 0, s[0], s[1], 0.0f, out);
+    } else {
+      const G g(p);
+      for (int c = 0; c < chunks; ++c)
+        dequantize_chunk<false, has_mins(Q)>(g.u(c), offset_of(Q), s[2 * c], s[2 * c + 1], mins[c],
+                                             out + c * chunk_stride);
     }
   }
 }
 
-inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, float* y) {
+template <typename T>
+inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, T* y) {
   switch (qtype) {
     case kQ8_0: dequantize_row<kQ8_0>(src, K, y); break;
     case kQ4_0: dequantize_row<kQ4_0>(src, K, y); break;
@@ -520,27 +601,35 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
   a.scale.assign(M * Kp / 4, 0.0f);
   a.base.assign(M * Kp / 4, 0);
   a.sums.assign(M * Kp / kChunk, 0.0f);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K / kChunk; ++c) {
-      float v[kChunk], amax = 0.0f;
-      for (int64_t i = 0; i < kChunk; ++i) {
-        v[i] = to_float(x[m * K + c * kChunk + i]);
-        amax = std::max(amax, v[i] < 0 ? -v[i] : v[i]);
-      }
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(x + m * K + c * kChunk + 8 * i));
+      const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                         _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+      __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+      amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
       const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      int8_t* q = a.q.data() + m * Kp + c * kChunk;
-      int32_t total = 0;
-      for (int64_t l = 0; l < kChunk / 4; ++l) {
-        int32_t lane = 0;
-        for (int64_t i = 4 * l; i < 4 * l + 4; ++i) {
-          q[i] = static_cast<int8_t>(__builtin_lrintf(v[i] * inv));
-          lane += q[i];
-        }
-        a.scale[(m * Kp + c * kChunk) / 4 + l] = d;
-        a.base[(m * Kp + c * kChunk) / 4 + l] = -offset * lane;
-        total += lane;
-      }
-      a.sums[(m * Kp) / kChunk + c] = d * static_cast<float>(total);
+      // round(x / dx) to nearest even (vcvtps2dq, as lrintf in the default rounding mode), then
+      // narrowed to bytes in order (the packs interleave 128-bit halves; the permute undoes it).
+      __m256i q32[4];
+      for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+      const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+      const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const int64_t at = m * Kp + c * kChunk;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + at), q);
+      // Each 4-value lane's sum of qx: bytes times one, pairs summed to int16, then to int32.
+      const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+      _mm256_storeu_ps(a.scale.data() + at / 4, _mm256_set1_ps(d));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
+                          _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset)));
+      __m128i total = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+      total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4e));
+      total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xb1));
+      a.sums[at / kChunk] = d * static_cast<float>(_mm_cvtsi128_si32(total));
     }
 }
 
@@ -648,13 +737,173 @@ void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, con
   for (; n < end; ++n) columns<Q, 1>(w, row_bytes, a, bias, out, out_stride, M, K, n);
 }
 
+#if defined(NANOSERVE_QUANT_AMX)
+// --- AMX: bf16 products of many rows of x, W dequantized 32 rows at a time.
+//
+// For bf16 x, each task dequantizes 32 rows of W to bf16 (dequantize_row: in L2 while it is used)
+// and multiplies them with all of x in AMX tiles: rows of W as A tiles (16 rows x 32 values, straight
+// from the dequantized rows), x as B tiles (AMX's pair layout, packed once per call), fp32 sums in
+// four C tiles (2 x 2 tiles of 16 x 16) across all of K. Against dequantized tiles handed to torch's
+// GEMM (the path without AMX) this skips the GEMM's packing of W and the dequantized tile's round trip
+// through memory; against the int8 dot products it multiplies many rows of x at AMX's rate.
+
+// Linux hands AMX's tile state only to a process that asks for it (asking again is a no-op).
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: 0, 1 rows of W (16 x 32 bf16); 2, 3 x (16 pairs x 16 rows of x);
+// 4-7 the sums (16 columns of W x 16 rows of x, fp32) of (0, 2), (0, 3), (1, 2), (1, 3).
+inline void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// The 16 x 16 matrix in r (r[i] its row i) transposed in place. Two rounds of unpacks leave, in each
+// 128-bit lane L of u[4k + j], column 4L + j of rows 4k .. 4k + 3; a 4 x 4 transpose of those lanes
+// across u[j], u[4 + j], u[8 + j], u[12 + j] then gathers each column's four lanes.
+inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int k = 0; k < 16; k += 4)
+    for (int h = 0; h < 2; ++h) {
+      const __m512d a = _mm512_castps_pd(t[k + h]), b = _mm512_castps_pd(t[k + h + 2]);
+      u[k + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      u[k + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xee);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xee);
+    r[j] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + j] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+    r[8 + j] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+  }
+}
+
+// x [M, K] bf16 in B tiles: tile (i, c) (rows 16i .. 16i + 15 of x, values 32c .. 32c + 31) at
+// 512 (i * K / 32 + c), its row r the pairs x[m][32c + 2r], x[m][32c + 2r + 1] of its 16 rows m side
+// by side (a 16 x 16 transpose of 32-bit pairs); rows past M zero.
+inline std::vector<uint16_t> pair_tiles(const uint16_t* x, int64_t M, int64_t Mp, int64_t K) {
+  std::vector<uint16_t> b(Mp * K);
+  for (int64_t m0 = 0; m0 < Mp; m0 += 16)
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_loadu_ps(x + (m0 + i) * K + k) : _mm512_setzero_ps();
+      transpose16(r);
+      uint16_t* tile = b.data() + ((m0 / 16) * (K / 32) + k / 32) * 512;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile + 32 * i, r[i]);
+    }
+  return b;
+}
+
+// out columns [0, N16) (N16 a multiple of 16) for all M rows of bf16 x, K a multiple of 32.
+template <int Q>
+void amx_products(const uint16_t* x, const uint8_t* w, int64_t row_bytes, const uint16_t* bias, uint16_t* out,
+                  int64_t out_stride, int64_t M, int64_t N16, int64_t K, int num_threads) {
+  const int64_t Mp = (M + 15) / 16 * 16, chunks = K / 32;
+  const std::vector<uint16_t> xb = pair_tiles(x, M, Mp, K);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    configure_tiles();
+    std::vector<uint16_t> rows(32 * K);  // [2][chunks][16][32]: W's tiles, each 1 KB contiguous
+    alignas(64) float sums[4][16][16];
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N16; n0 += 32) {
+      const bool two_n = n0 + 16 < N16;
+      for (int64_t r = 0; r < (two_n ? 32 : 16); ++r) {
+        // The next task's row r meanwhile (rows follow one another in memory; a prefetch never faults).
+        for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(w + (n0 + 32 + r) * row_bytes + at, 0, 2);
+        dequantize_row<Q>(w + (n0 + r) * row_bytes, K, rows.data() + (r / 16) * 16 * K + (r % 16) * 32, 512);
+      }
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        const bool two_m = m0 + 16 < Mp;
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        const uint16_t* x0 = xb.data() + (m0 / 16) * chunks * 512;
+        for (int64_t c = 0; c < chunks; ++c) {  // the tile numbers are literals in the intrinsics
+          // The next chunk's tiles into L1 meanwhile: a tile load waits for its 16 lines in order.
+          if (c + 2 < chunks)
+            for (int line = 0; line < 16; ++line) {
+              __builtin_prefetch(rows.data() + 512 * (c + 2) + 32 * line, 0, 3);
+              __builtin_prefetch(x0 + (c + 2) * 512 + 32 * line, 0, 3);
+              if (two_n) __builtin_prefetch(rows.data() + 16 * K + 512 * (c + 2) + 32 * line, 0, 3);
+              if (two_m) __builtin_prefetch(x0 + (chunks + c + 2) * 512 + 32 * line, 0, 3);
+            }
+          _tile_loadd(0, rows.data() + 512 * c, 64);
+          _tile_loadd(2, x0 + c * 512, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          if (two_m) {
+            _tile_loadd(3, x0 + (chunks + c) * 512, 64);
+            _tile_dpbf16ps(5, 0, 3);
+          }
+          if (two_n) {
+            _tile_loadd(1, rows.data() + 16 * K + 512 * c, 64);
+            _tile_dpbf16ps(6, 1, 2);
+            if (two_m) _tile_dpbf16ps(7, 1, 3);
+          }
+        }
+        _tile_stored(4, sums[0], 64);
+        _tile_stored(5, sums[1], 64);
+        _tile_stored(6, sums[2], 64);
+        _tile_stored(7, sums[3], 64);
+        for (int t = 0; t < 4; ++t) {
+          const int64_t n = n0 + 16 * (t / 2), m = m0 + 16 * (t % 2);
+          if (n >= N16 || m >= M) continue;
+          __m512 cols[16];  // cols[i]: row m + i of x against columns n .. n + 15
+          for (int j = 0; j < 16; ++j) cols[j] = _mm512_load_ps(sums[t][j]);
+          transpose16(cols);
+          const __m512 b = bias != nullptr ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n))), 16))
+                                           : _mm512_setzero_ps();
+          for (int64_t i = 0; i < std::min<int64_t>(16, M - m); ++i)
+            store16(_mm512_add_ps(cols[i], b), out + (m + i) * out_stride + n);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
 template <int Q, typename T>
 void products(const T* x, const uint8_t* w, const T* bias, T* out, int64_t out_stride, int64_t M, int64_t N,
               int64_t K, int num_threads) {
   constexpr int64_t step = std::max<int64_t>(layout(Q).values, kVecValues);
+  const int64_t row_bytes = K / layout(Q).values * layout(Q).bytes, Kp = (K + step - 1) / step * step;
   Activations a;
-  quantize_activations(x, M, K, (K + step - 1) / step * step, offset_of(Q), a);
-  const int64_t row_bytes = K / layout(Q).values * layout(Q).bytes;
+#if defined(NANOSERVE_QUANT_AMX)
+  if constexpr (sizeof(T) == sizeof(uint16_t))
+    if (M >= kAmxRows && amx_permitted()) {
+      const int64_t N16 = N / 16 * 16;
+      amx_products<Q>(x, w, row_bytes, bias, out, out_stride, M, N16, K, num_threads);
+      if (N16 < N) {  // the last N % 16 columns through the int8 products
+        quantize_activations(x, M, K, Kp, offset_of(Q), a);
+        column_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, N16, N);
+      }
+      return;
+    }
+#endif
+  quantize_activations(x, M, K, Kp, offset_of(Q), a);
   const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * N * K >= kParallelWork)
   for (int64_t task = 0; task < tasks; ++task)
@@ -679,8 +928,11 @@ void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out
 
 constexpr int kIsa = 0;
 
-inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, float* y) {
-  dequantize_row_scalar(qtype, src, K, y);
+template <typename T>
+inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, T* y) {
+  std::vector<float> row(K);
+  dequantize_row_scalar(qtype, src, K, row.data());
+  for (int64_t k = 0; k < K; ++k) from_float(row[k], y + k);
 }
 
 template <typename T>
@@ -707,18 +959,9 @@ template <typename T>
 void dequantize_rows(const uint8_t* w, int qtype, int64_t K, const int64_t* rows, int64_t n, T* out,
                      int num_threads) {
   const int64_t row_bytes = K / layout(qtype).values * layout(qtype).bytes;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n * K >= kParallelWork)
-  {
-    std::vector<float> y(K);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      dequantize_row_any(qtype, w + (rows != nullptr ? rows[i] : i) * row_bytes, K, y.data());
-      T* dst = out + i * K;
-      int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes) store8(load8(y.data() + k), dst + k);
-      for (; k < K; ++k) from_float(y[k], dst + k);
-    }
-  }
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && n * K >= kParallelWork)
+  for (int64_t i = 0; i < n; ++i)
+    dequantize_row_any(qtype, w + (rows != nullptr ? rows[i] : i) * row_bytes, K, out + i * K);
 }
 
 // Whether this file takes GGUF type qtype with rows of K values (whole blocks).
@@ -774,5 +1017,15 @@ int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows
 // Which dot product the quantized products use: 3 AVX512-VNNI, 2 AVX-VNNI (256-bit), 1 AVX2
 // (vpmaddubsw), 0 none (scalar, fp32).
 int nanoserve_quant_isa() { return kIsa; }
+
+// From how many rows of bf16 x the products multiply W dequantized in AMX tiles (any number from
+// there on); 0 where they never do (no AMX in this build, or the OS refuses its tile state).
+int nanoserve_quant_amx_rows() {
+#if defined(NANOSERVE_QUANT_AMX)
+  return amx_permitted() ? static_cast<int>(kAmxRows) : 0;
+#else
+  return 0;
+#endif
+}
 
 }  // extern "C"

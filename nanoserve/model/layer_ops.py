@@ -96,9 +96,10 @@ class TorchLayerOps:
 # measurements behind both cuts.
 SMALL_M = 16
 NATIVE_BF16_M = 32
-# Block-quantized weights take the same cuts: up to them quant.cpp's int8 products, beyond them
-# torch's GEMM on tiles of the weight dequantized to the model's dtype, each of this many bytes (a
-# tile stays in L2 while the GEMM reads it).
+# Block-quantized weights take the same cuts (up to them quant.cpp's int8 products, beyond them
+# torch's GEMM on tiles of the weight dequantized to the model's dtype, each of this many bytes: a
+# tile stays in L2 while the GEMM reads it), except bf16 x on CPUs with AMX: quant.cpp multiplies any
+# number of rows there, in AMX tiles from `nanoserve_quant_amx_rows` rows on.
 TILE_BYTES = 1 << 20
 
 
@@ -115,6 +116,9 @@ class CpuLayerOps:
         # The most rows of x each dtype's products take here (None: any); F.linear takes the rest.
         self.max_rows: dict[torch.dtype, int | None] = {
             torch.float32: SMALL_M, torch.bfloat16: NATIVE_BF16_M if lib.nanoserve_linear_bf16_native() else None}
+        # The same for products with block-quantized weights (the rest: dequantized tiles).
+        self.quant_max_rows: dict[torch.dtype, int | None] = {
+            **self.max_rows, **({torch.bfloat16: None} if lib.nanoserve_quant_amx_rows() else {})}
         self._linear = {dtype: getattr(lib, f"nanoserve_linear_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._norm = {dtype: getattr(lib, f"nanoserve_rms_norm_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._rope = {dtype: getattr(lib, f"nanoserve_qk_norm_rope_{s}") for dtype, s in DTYPE_SUFFIX.items()}
@@ -146,7 +150,8 @@ class CpuLayerOps:
     def _quantized_linear(self, x: torch.Tensor, w: BlockQuantWeight | StackedWeight,
                           bias: torch.Tensor | None) -> torch.Tensor:
         """For 2-D contiguous x of a dtype in DTYPES (bias of that dtype): of at most
-        `max_rows[dtype]` rows, quant.cpp's product on the blocks (int8 dot products); of more, where
+        `quant_max_rows[dtype]` rows, quant.cpp's product on the blocks (int8 dot products, or AMX
+        tiles of W dequantized); of more, where
         a dense weight would go to torch's GEMM, that GEMM on tiles of W dequantized by quant.cpp
         (`TILE_BYTES` each; the GEMM then outruns the int8 products by more than the dequantizing
         costs). Each part of a StackedWeight writes its columns of one output (a dense part through
@@ -154,7 +159,7 @@ class CpuLayerOps:
         if (x.dim() != 2 or x.dtype not in self.DTYPES or not x.is_contiguous()
                 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
             return TorchLayerOps().linear(x, w, bias)
-        limit = self.max_rows.get(x.dtype)
+        limit = self.quant_max_rows.get(x.dtype)
         tiled = limit is not None and x.shape[0] > limit
         out = x.new_empty(x.shape[0], w.out_features)
         offset = 0
