@@ -829,7 +829,8 @@ void amx_products(const uint16_t* x, const uint8_t* w, int64_t row_bytes, const 
     for (int64_t n0 = 0; n0 < N16; n0 += 32) {
       const bool two_n = n0 + 16 < N16;
       for (int64_t r = 0; r < (two_n ? 32 : 16); ++r) {
-        // The next task's row r meanwhile (rows follow one another in memory; a prefetch never faults).
+        // Row r of the next 32 meanwhile (the next task's where one thread runs them all; a prefetch
+        // never faults).
         for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(w + (n0 + 32 + r) * row_bytes + at, 0, 2);
         dequantize_row<Q>(w + (n0 + r) * row_bytes, K, rows.data() + (r / 16) * 16 * K + (r % 16) * 32, 512);
       }
@@ -841,14 +842,6 @@ void amx_products(const uint16_t* x, const uint8_t* w, int64_t row_bytes, const 
         _tile_zero(7);
         const uint16_t* x0 = xb.data() + (m0 / 16) * chunks * 512;
         for (int64_t c = 0; c < chunks; ++c) {  // the tile numbers are literals in the intrinsics
-          // The next chunk's tiles into L1 meanwhile: a tile load waits for its 16 lines in order.
-          if (c + 2 < chunks)
-            for (int line = 0; line < 16; ++line) {
-              __builtin_prefetch(rows.data() + 512 * (c + 2) + 32 * line, 0, 3);
-              __builtin_prefetch(x0 + (c + 2) * 512 + 32 * line, 0, 3);
-              if (two_n) __builtin_prefetch(rows.data() + 16 * K + 512 * (c + 2) + 32 * line, 0, 3);
-              if (two_m) __builtin_prefetch(x0 + (chunks + c + 2) * 512 + 32 * line, 0, 3);
-            }
           _tile_loadd(0, rows.data() + 512 * c, 64);
           _tile_loadd(2, x0 + c * 512, 64);
           _tile_dpbf16ps(4, 0, 2);
