@@ -42,6 +42,7 @@ from nanoserve.model.families import FAMILIES as REGISTRY
 from nanoserve.model.gguf_export import export_gguf
 from nanoserve.model.gguf_reader import read_gguf
 from nanoserve.model.layer_ops import select_layer_ops
+from nanoserve.model.loader import HUGE_PAGE_BYTES, advise_huge_pages
 from nanoserve.model.weight_formats import DenseWeight, LinearWeight
 from nanoserve.model.weights import load_weights
 
@@ -288,6 +289,39 @@ def test_gguf_load_peak_near_file_size(make_checkpoint, tmp_path):
                          env=env, timeout=300, check=True).stdout
     before, peak = map(int, out.split())
     assert peak - before <= (1 + LOAD_PEAK_SLACK) * size + LOAD_PEAK_ALLOWANCE, (peak - before, size)
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="needs Linux's transparent huge pages")
+def test_weights_advised_onto_huge_pages():
+    """Each storage's whole 2 MiB pages, once per storage (tied weights share one), and nothing
+    outside it, are marked for huge pages ("hg") before the loader writes them."""
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.empty(9 << 20, dtype=torch.uint8))
+    module.register_buffer("tied", module.w[: 1 << 20])
+    module.register_buffer("small", torch.empty(1 << 20, dtype=torch.uint8))
+    begin = -(-module.w.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (module.w.data_ptr() + module.w.numel()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    assert advise_huge_pages(module) == end - begin >= 3 * HUGE_PAGE_BYTES
+    assert "hg" in _vma_flags(begin) and "hg" in _vma_flags(end - 1)
+    for outside in (begin - 1, end):  # the storage's partial pages at either end (glibc puts a header first)
+        if module.w.data_ptr() <= outside < module.w.data_ptr() + module.w.numel():
+            assert "hg" not in _vma_flags(outside), f"advised {outside - begin:+} bytes from the first whole page"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -35,8 +35,10 @@
 // in a task, W's rows in groups of NW (four for one row of x, two for more) against the rows of x in
 // groups of up to eight; each group of W's blocks is unpacked into registers once per group of x
 // rows and read from L1 for the next, so W streams from memory once per call (the next group of
-// rows prefetched meanwhile). These products are for a few dozen rows of x at most: on CPUs with
-// AMX, bf16 x of kAmxRows rows or more goes to AMX tiles of W dequantized (amx_products, below);
+// rows prefetched meanwhile). One row of x against q8_0 W (single-stream decode of a Q8_0 file)
+// takes its own loop where the CPU has AVX512-VNNI (q8_0_dot4), which shares the per-block work
+// among four rows. These products are for a few dozen rows of x at most: on CPUs with AMX, bf16 x
+// of kAmxRows rows or more goes to AMX tiles of W dequantized (amx_products, below);
 // elsewhere, where a GEMM on bf16 / fp32 is much faster per multiply-add than the int8 lanes here,
 // CpuLayerOps multiplies tiles of W dequantized by dequantize_rows instead (see
 // nanoserve/model/layer_ops.py for the cut).
@@ -47,6 +49,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -727,10 +730,74 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
   }
 }
 
+#if defined(NANOSERVE_QUANT_ZMM)
+// res[j] = x . w_j for one row of x and four rows of q8_0 W: dot_block<kQ8_0, 4, 1>'s sums with the
+// per-block work shared among the rows, for the single-stream decode product (memory-bound only
+// if its arithmetic keeps well ahead of memory). A step takes two blocks of each row: the rows' eight
+// fp16 scales in one conversion, times x's two block scales in one multiply, spread over each row's
+// lanes by one permute; each row's quants as two 32-byte loads joined. The next four rows are
+// prefetched meanwhile, as in dot_block.
+void q8_0_dot4(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t K, float* res) {
+  constexpr int64_t bytes = layout(kQ8_0).bytes;
+  const int64_t num_blocks = K / layout(kQ8_0).values;
+  const auto scale = [&](int j, int64_t b) {
+    uint16_t h;
+    std::memcpy(&h, w + j * row_bytes + b * bytes, sizeof h);
+    return static_cast<uint64_t>(h);
+  };
+  __m512i spread[4];  // lanes 0-7 take scale 2j (row j's first block), lanes 8-15 scale 2j + 1
+  for (int j = 0; j < 4; ++j)
+    spread[j] = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  // Blocks b and b + 1; without a block b + 1 (an odd count), zero scale and quants in its place
+  // (x is zero-padded past K).
+  const auto step = [&](int64_t b, auto pair) {
+    for (int j = 4; j < 8; ++j) {
+      __builtin_prefetch(w + j * row_bytes + b * bytes, 0, 3);
+      __builtin_prefetch(w + j * row_bytes + b * bytes + 64, 0, 3);
+    }
+    uint64_t lo = scale(0, b) | scale(1, b) << 32, hi = scale(2, b) | scale(3, b) << 32;
+    if constexpr (pair) {
+      lo |= scale(0, b + 1) << 16 | scale(1, b + 1) << 48;
+      hi |= scale(2, b + 1) << 16 | scale(3, b + 1) << 48;
+    }
+    const __m256 ws = _mm256_cvtph_ps(_mm_insert_epi64(_mm_cvtsi64_si128(static_cast<int64_t>(lo)),
+                                                       static_cast<int64_t>(hi), 1));
+    const float* xs = a.scale.data() + b * kChunk / 4;  // x's lane scales, eight per block
+    const __m256 xs2 = _mm256_blend_ps(_mm256_set1_ps(xs[0]), _mm256_set1_ps(pair ? xs[8] : 0.0f), 0xaa);
+    const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(ws, xs2));
+    const __m512i xq = _mm512_loadu_si512(a.q.data() + b * kChunk);
+    const __m512i base = _mm512_loadu_si512(a.base.data() + b * kChunk / 4);
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* p = w + j * row_bytes + b * bytes + 2;
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i qb = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + bytes))
+                              : _mm256_setzero_si256();
+      const __m512i u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1), flip);
+      const __m512i dp = _mm512_dpbusd_epi32(base, u, xq);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread[j], s), acc[j]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= num_blocks; b += 2) step(b, std::true_type{});
+  if (b < num_blocks) step(b, std::false_type{});
+  for (int j = 0; j < 4; ++j) res[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
+
 template <int Q, typename T>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
+#if defined(NANOSERVE_QUANT_ZMM)
+  if constexpr (Q == kQ8_0)
+    if (M == 1)
+      for (float res[4]; n + 4 <= end; n += 4) {
+        q8_0_dot4(w + n * row_bytes, row_bytes, a, K, res);
+        for (int j = 0; j < 4; ++j) from_float(res[j] + (bias != nullptr ? to_float(bias[n + j]) : 0.0f), out + n + j);
+      }
+#endif
   if (M == 1)
     for (; n + 4 <= end; n += 4) columns<Q, 4>(w, row_bytes, a, bias, out, out_stride, M, K, n);
   for (; n + 2 <= end; n += 2) columns<Q, 2>(w, row_bytes, a, bias, out, out_stride, M, K, n);

@@ -5,8 +5,11 @@ Only safetensors and GGUF are read; nothing is ever unpickled.
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,6 +28,8 @@ from nanoserve.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 PROGRESS_BAR_BYTES = 256 << 20
+HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE = 14  # <sys/mman.h>
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -172,12 +177,38 @@ def load_model(
         quant = QuantConfig()
     with torch.device(dev):
         model = CausalLM(config, torch_dtype, quant)
+    if dev.type == "cpu":
+        advise_huge_pages(model)
     load_weights(model, tensors, families[config.family])
     model.eval()
     kept = f", weights kept as {', '.join(sorted(quant.used_formats))}" if quant.formats else ""
     log.info("loaded %s (%s, %.1fM params, %s%s) on %s", path.name, config.family, config.num_params / 1e6,
              str(torch_dtype).removeprefix("torch."), kept, dev)
     return LoadedModel(model, config, tokenizer, path, gen_cfg)
+
+
+def advise_huge_pages(module: torch.nn.Module) -> int:
+    """Asks Linux to back `module`'s CPU tensors with 2 MiB pages (transparent huge pages, which
+    systems commonly grant only to memory that asks: `madvise` mode): each storage's whole 2 MiB
+    pages, so nothing beyond it becomes resident. A decode step streams every weight once; with 4
+    KiB pages that walk misses the TLB once per 4 KiB, with huge pages once per 2 MiB. Only pages
+    not yet written are affected (call it between allocating and filling: the kernel allocates the
+    huge pages as they are first written). Best effort: where the kernel refuses (THP off, not
+    Linux), pages stay 4 KiB. Returns the bytes advised."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    advised, seen = 0, set()
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        storage = tensor.untyped_storage()
+        if tensor.device.type != "cpu" or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        begin = -(-storage.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        end = (storage.data_ptr() + storage.nbytes()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        if end > begin and libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_HUGEPAGE) == 0:
+            advised += end - begin
+    return advised
 
 
 def _check_file_decides(quant: QuantConfig, family: Family, config: ModelConfig, quantization: str,
