@@ -6,6 +6,8 @@ import dataclasses
 import json
 import random
 import shutil
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,31 @@ def test_missing_weights_and_pickles_refused(make_checkpoint, tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(ModelLoadError, match="never loaded"):
         load_model(tmp_path)
+
+
+def _same_length(old: bytes, new: bytes) -> Callable[[bytes], bytes]:
+    return lambda b: b.replace(old, new, 1)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:5], "not a safetensors file"),
+    (lambda b: struct.pack("<Q", len(b)) + b[8:], "not a safetensors file"),
+    (lambda b: b[:8] + b"[" + b[9:], "unreadable safetensors header"),
+    (_same_length(b'"shape":[', b'"shap_":['), "unreadable safetensors header"),
+    (_same_length(b'"F32"', b'"U16"'), "U16, a dtype nanoserve does not read"),
+    (lambda b: b[:-1], r"do not hold its shape \[\d+(, \d+)*\] in F32 inside the file"),
+], ids=["short", "header-length", "json", "field", "dtype", "truncated"])
+def test_damaged_safetensors_refused(make_checkpoint, tmp_path, damage, message):
+    """A damaged shard is refused with one line that says what is wrong, before any tensor is read."""
+    src = make_checkpoint("qwen2")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    (shard,) = src.glob("*.safetensors")
+    (tmp_path / shard.name).write_bytes(damage(shard.read_bytes()))
+    with pytest.raises(ModelLoadError, match=message) as info:
+        load_model(tmp_path, dtype=torch.float32)
+    assert "\n" not in str(info.value)
 
 
 def test_offline_hub_id_fails_with_one_line(monkeypatch):

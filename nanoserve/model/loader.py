@@ -9,13 +9,14 @@ import ctypes
 import itertools
 import json
 import logging
+import math
+import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from nanoserve.model.config import ModelConfig
@@ -113,16 +114,55 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Memory-mapped tensors of all shards, with a progress bar for large checkpoints."""
+    """The tensors of all shards (`read_safetensors`), with a progress bar for large checkpoints."""
     total = sum(f.stat().st_size for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
               disable=total < PROGRESS_BAR_BYTES) as bar:
         for f in files:
-            with safe_open(f, framework="pt") as sf:
-                for name in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    tensor = sf.get_tensor(name)
-                    yield name, tensor
-                    bar.update(tensor.numel() * tensor.element_size())
+            for name, tensor in read_safetensors(f):
+                yield name, tensor
+                bar.update(tensor.numel() * tensor.element_size())
+
+
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one safetensors file in the order of their bytes, each read (`readinto`) into
+    memory of its own. Not memory-mapped: a map's pages stay resident until the file is closed, so a
+    load would hold a whole shard beside the model it fills; read, the bytes pass through the page
+    cache and the process holds one tensor at a time. The whole header is checked before any tensor
+    is read: ModelLoadError for one that is not the format (each tensor's byte range must hold its
+    shape in its dtype, inside the file)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else size
+        if header_len > size - 8:
+            raise ModelLoadError(f"{path}: not a safetensors file (its header runs past the end of the file)")
+        try:
+            header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            entries = [(name, info["dtype"], [int(d) for d in info["shape"]], *map(int, info["data_offsets"]))
+                       for name, info in header.items()]
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
+        data = 8 + header_len
+        for name, dtype_name, shape, begin, end in entries:
+            if dtype_name not in SAFETENSORS_DTYPES:
+                raise ModelLoadError(f"{path}: tensor {name} is {dtype_name}, a dtype nanoserve does not read")
+            nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype_name].itemsize
+            if end - begin != nbytes or not 0 <= begin <= end <= size - data:
+                raise ModelLoadError(f"{path}: tensor {name}'s bytes [{begin}, {end}) do not hold its shape "
+                                     f"{shape} in {dtype_name} inside the file")
+        for name, dtype_name, shape, begin, end in sorted(entries, key=lambda entry: entry[3]):
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(data + begin)
+            f.readinto(raw.numpy().data)  # whole: the range lies inside the file (checked above)
+            yield name, raw.view(SAFETENSORS_DTYPES[dtype_name]).reshape(shape)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
