@@ -161,9 +161,10 @@ def _same_length(old: bytes, new: bytes) -> Callable[[bytes], bytes]:
     (lambda b: struct.pack("<Q", len(b)) + b[8:], "not a safetensors file"),
     (lambda b: b[:8] + b"[" + b[9:], "unreadable safetensors header"),
     (_same_length(b'"shape":[', b'"shap_":['), "unreadable safetensors header"),
+    (_same_length(b'"data_offsets":[', b'"data_offsets":{'), "unreadable safetensors header"),
     (_same_length(b'"F32"', b'"U16"'), "U16, a dtype nanoserve does not read"),
     (lambda b: b[:-1], r"do not hold its shape \[\d+(, \d+)*\] in F32 inside the file"),
-], ids=["short", "header-length", "json", "field", "dtype", "truncated"])
+], ids=["short", "header-length", "json", "field", "offsets", "dtype", "truncated"])
 def test_damaged_safetensors_refused(make_checkpoint, tmp_path, damage, message):
     """A damaged shard is refused with one line that says what is wrong, before any tensor is read."""
     src = make_checkpoint("qwen2")

@@ -143,11 +143,13 @@ def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else size
         if header_len > size - 8:
             raise ModelLoadError(f"{path}: not a safetensors file (its header runs past the end of the file)")
+        entries: list[tuple[str, str, list[int], int, int]] = []
         try:
             header = json.loads(f.read(header_len))
             header.pop("__metadata__", None)
-            entries = [(name, info["dtype"], [int(d) for d in info["shape"]], *map(int, info["data_offsets"]))
-                       for name, info in header.items()]
+            for name, info in header.items():
+                begin, end = (int(at) for at in info["data_offsets"])
+                entries.append((name, str(info["dtype"]), [int(d) for d in info["shape"]], begin, end))
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
         data = 8 + header_len
