@@ -790,16 +790,19 @@ template <int Q, typename T>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
+  if (M == 1) {
 #if defined(NANOSERVE_QUANT_ZMM)
-  if constexpr (Q == kQ8_0)
-    if (M == 1)
+    if constexpr (Q == kQ8_0) {
       for (float res[4]; n + 4 <= end; n += 4) {
         q8_0_dot4(w + n * row_bytes, row_bytes, a, K, res);
         for (int j = 0; j < 4; ++j) from_float(res[j] + (bias != nullptr ? to_float(bias[n + j]) : 0.0f), out + n + j);
       }
+    } else
 #endif
-  if (M == 1)
-    for (; n + 4 <= end; n += 4) columns<Q, 4>(w, row_bytes, a, bias, out, out_stride, M, K, n);
+    {
+      for (; n + 4 <= end; n += 4) columns<Q, 4>(w, row_bytes, a, bias, out, out_stride, M, K, n);
+    }
+  }
   for (; n + 2 <= end; n += 2) columns<Q, 2>(w, row_bytes, a, bias, out, out_stride, M, K, n);
   for (; n < end; ++n) columns<Q, 1>(w, row_bytes, a, bias, out, out_stride, M, K, n);
 }

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import math
+import mmap
 import struct
 import sys
 from collections.abc import Iterator
@@ -30,7 +31,6 @@ log = logging.getLogger(__name__)
 
 PROGRESS_BAR_BYTES = 256 << 20
 HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14  # <sys/mman.h>
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -248,7 +248,7 @@ def advise_huge_pages(module: torch.nn.Module) -> int:
         seen.add(storage.data_ptr())
         begin = -(-storage.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
         end = (storage.data_ptr() + storage.nbytes()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-        if end > begin and libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_HUGEPAGE) == 0:
+        if end > begin and libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_HUGEPAGE) == 0:
             advised += end - begin
     return advised
 
