@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
-from nanoserve.server.data_parallel import available_cpus, free_port_range
-from nanoserve.server.processes import spawn, stop
+from nanoserve.supervisor.data_parallel import available_cpus, free_port_range
+from nanoserve.supervisor.processes import spawn, stop
 
 SETUPS = ("1 replica, 1 core", "1 replica, 2 cores", "DP=2, 1 core each", "DP=2, 1 core each, round robin")
 

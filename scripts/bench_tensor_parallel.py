@@ -31,12 +31,12 @@ import torch
 
 from nanoserve.bench.shapes import parse_overrides, shape_checkpoint
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model.config import ModelConfig
 from nanoserve.parallel.group import Rendezvous, TensorParallelGroup, free_port
 from nanoserve.parallel.runner import TensorParallelRunner
+from nanoserve.runtime.builder import build_engine
 
 
 class Timing(NamedTuple):

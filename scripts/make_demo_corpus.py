@@ -1,4 +1,4 @@
-"""Writes `nanoserve/model/demo_corpus.txt`: synthetic English for the demo tokenizer and model.
+"""Writes `nanoserve/model/demo/corpus.txt`: synthetic English for the demo tokenizer and model.
 
 The corpus is a sequence of documents, each terminated by `<|endoftext|>` and a newline. A document
 is either a ChatML dialogue (`<|im_start|>role\\n...<|im_end|>\\n` per message) or plain prose.
@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "nanoserve" / "model" / "demo_corpus.txt"
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "nanoserve" / "model" / "demo" / "corpus.txt"
 END_OF_TEXT = "<|endoftext|>"
 
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")

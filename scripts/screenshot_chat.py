@@ -13,12 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/browser.py: finding and launching Chromium
 
-from nanoserve.engine.args import EngineArgs  # noqa: E402
-from nanoserve.engine.builder import build_engine  # noqa: E402
-from nanoserve.server import ServerConfig, build_app  # noqa: E402
-from nanoserve.server.launcher import ServerThread  # noqa: E402
-
 from browser import launch_chromium, unavailable_reason  # noqa: E402
+
+from nanoserve.engine.args import EngineArgs  # noqa: E402
+from nanoserve.runtime.builder import build_engine  # noqa: E402
+from nanoserve.server import ServerConfig, build_app  # noqa: E402
+from nanoserve.server.http_server import ServerThread  # noqa: E402
 
 CONVERSATIONS = [
     ["What is the weather like in the mountains?"],

@@ -2,7 +2,7 @@
 
 Both are `transformers` Qwen3ForCausalLM models with the shapes that `nanoserve.model.demo` declares,
 trained from scratch in fp32 with plain torch: AdamW, linear warmup then cosine decay, gradient
-clipping, a fixed seed. The corpus (`nanoserve/model/demo_corpus.txt`, from make_demo_corpus.py) is
+clipping, a fixed seed. The corpus (`nanoserve/model/demo/corpus.txt`, from make_demo_corpus.py) is
 tokenized with the demo tokenizer and packed into one token stream (documents end with
 <|endoftext|>); each step draws random windows from it and the loss covers every token. The last
 documents (~3%) are held out for the reported losses and the draft's greedy agreement with the target.

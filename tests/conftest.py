@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 import torch
 from fastapi import FastAPI
-from test_server_helpers import make_engine, serve
 
 from nanoserve.engine.llm_engine import LLMEngine
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+from support.server import make_engine, serve
 
 # Small shapes that still exercise each family's switches: GQA everywhere, llama3 rope scaling with
 # an original context shorter than the test sequences, Qwen3's head_dim != hidden / heads, ties.
@@ -87,7 +86,7 @@ def one_torch_thread() -> Iterator[None]:
 def chromium() -> Iterator[Any]:
     """A headless Chromium (a Playwright `Browser`) for one test module; skips, saying why, where
     no browser can be had (tests/browser.py)."""
-    from browser import launch_chromium, unavailable_reason
+    from support.browser import launch_chromium, unavailable_reason
 
     if reason := unavailable_reason():
         pytest.skip(f"no browser for the web page tests: {reason}")

@@ -7,7 +7,7 @@
 - `hf-cb`: transformers' own continuous batching (the manager behind `generate_batch`), each
   request with its own `max_new_tokens`, at most `batch_size` requests per batch.
 - `llama.cpp` / `llama.cpp-q8_0`: `llama-cpp-python` on a GGUF written from the same folder by
-  `nanoserve.model.gguf_export` (in the run's dtype, or Q8_0), one request at a time.
+  `nanoserve.model.checkpoint.gguf_export` (in the run's dtype, or Q8_0), one request at a time.
 - `llama.cpp-batch`: llama.cpp's own batching through its C API (what llama-server's parallel
   slots do): up to `batch_size` sequences share each `llama_decode`, a finished one's slot is
   cleared and refilled at once, new prompts join the batch up to 2048 tokens per call.
@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from nanoserve.bench.throughput import RunStats, Workload
+from nanoserve.bench.run_stats import RunStats
+from nanoserve.bench.workloads import Workload
 from nanoserve.cache import cache_root
 
 PEERS = ("hf-sequential", "hf-static", "hf-cb", "llama.cpp", "llama.cpp-q8_0", "llama.cpp-batch")
@@ -157,8 +158,8 @@ def run_hf_continuous(model: Any, workload: Workload, batch_size: int, max_batch
 def gguf_for(model_dir: Path, out_type: str, cache_dir: Path | None = None) -> Path:
     """The GGUF of `model_dir` in `out_type`, exported once and cached (keyed by the folder's path
     and the size and mtime of its weights)."""
-    from nanoserve.model.gguf_export import export_gguf
-    from nanoserve.model.loader import safetensors_files
+    from nanoserve.model.checkpoint.gguf_export import export_gguf
+    from nanoserve.model.checkpoint.loader import safetensors_files
 
     files = safetensors_files(model_dir)
     key = hashlib.sha256(repr([str(model_dir.resolve())] + [(f.stat().st_size, f.stat().st_mtime_ns)

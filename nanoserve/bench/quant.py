@@ -49,8 +49,9 @@ import torch
 
 from nanoserve.bench.peers import gguf_for
 from nanoserve.bench.roofline import Roofline, measure_roofline
+from nanoserve.bench.run_stats import RunStats
 from nanoserve.bench.shapes import shape_checkpoint
-from nanoserve.bench.throughput import RunStats, format_table
+from nanoserve.bench.throughput import format_table
 from nanoserve.bench.workloads import Workload
 from nanoserve.kv.manager import blocks_needed
 from nanoserve.model.config import ModelConfig
@@ -259,7 +260,7 @@ def _memory(baseline: dict[str, int], loaded: dict[str, int]) -> Memory:
 def _run_nanoserve(job: Job) -> EngineResult:
     from nanoserve.bench.throughput import run_batched, warm_up
     from nanoserve.engine.args import EngineArgs
-    from nanoserve.engine.builder import build_engine
+    from nanoserve.runtime.builder import build_engine
 
     baseline = proc_status()
     start = time.perf_counter()

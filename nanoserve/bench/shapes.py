@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanoserve.cache import cache_root
+from nanoserve.model import demo
 from nanoserve.model.config import ModelConfig
 
 _COMMON: dict[str, Any] = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02,
@@ -121,9 +122,7 @@ def shape_checkpoint(name: str, overrides: dict[str, Any] | None = None, seed: i
     """The cached folder of preset `name` (with `overrides`), written on first use. The tokenizer
     files come from `tokenizer_dir` (default: the demo model's folder)."""
     if tokenizer_dir is None:
-        from nanoserve.model.demo import demo_model_path
-
-        tokenizer_dir = demo_model_path()
+        tokenizer_dir = demo.demo_model_path()
     tok_cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
     eos = next((int(i) for i, t in tok_cfg.get("added_tokens_decoder", {}).items()
                 if t["content"] == tok_cfg.get("eos_token")), None)

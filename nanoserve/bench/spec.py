@@ -26,11 +26,11 @@ from typing import Any
 
 from nanoserve.bench.throughput import format_table
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.model import LoadedModel, load_model
+from nanoserve.runtime.builder import build_engine
 
 _QUESTIONS = ("What is the capital of France?", "Tell me a short story about a cat.", "What is 12 + 30?",
               "Name the days of the week.", "What colour is the sky?", "Count from one to ten.",

@@ -121,7 +121,7 @@ def _register_structured(kinds: argparse._SubParsersAction) -> None:
 
 
 def _run_structured(ns: argparse.Namespace) -> int:
-    from nanoserve.engine.builder import build_engine
+    from nanoserve.runtime.builder import build_engine
 
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
@@ -291,7 +291,7 @@ def _peer_runs(ns: argparse.Namespace, tok: Any, endpoint: str, peer_model: str,
     --peer-batch-sizes on the largest workload); one-at-a-time peers on the largest workload."""
     from nanoserve.bench.peers import run_peers
     from nanoserve.bench.serve import peer_summary
-    from nanoserve.model.loader import resolve_dtype
+    from nanoserve.model.checkpoint.loader import resolve_dtype
 
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
@@ -313,8 +313,8 @@ def _serving_roofline(ns: argparse.Namespace, model_dir: str, runs: list[dict[st
     prints where the runs stand under them and returns them."""
     from nanoserve.bench.roofline import RooflineReport, measure_roofline
     from nanoserve.bench.throughput import format_table
+    from nanoserve.model.checkpoint.loader import resolve_dtype
     from nanoserve.model.config import ModelConfig
-    from nanoserve.model.loader import resolve_dtype
 
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
@@ -328,7 +328,7 @@ def _serving_roofline(ns: argparse.Namespace, model_dir: str, runs: list[dict[st
 def run_serve(ns: argparse.Namespace) -> int:
     from nanoserve.bench.serve import LoadConfig, format_summaries, run_load
     from nanoserve.bench.workloads import TextSampler
-    from nanoserve.model.loader import resolve_source
+    from nanoserve.model.checkpoint.loader import resolve_source
     from nanoserve.tokenizer import Tokenizer
 
     labels = ns.label or ns.url

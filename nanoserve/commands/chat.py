@@ -17,9 +17,9 @@ from typing import Any, TextIO
 import httpx
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.engine.builder import build_engine
+from nanoserve.runtime.builder import build_engine
 from nanoserve.server import DEMO_MODEL_NAME, ServerConfig, build_app
-from nanoserve.server.launcher import ServerThread
+from nanoserve.server.http_server import ServerThread
 
 HELP = "Ctrl-D or /exit quits, /clear starts over, Ctrl-C stops a reply."
 

@@ -7,7 +7,7 @@ import dataclasses
 
 from nanoserve.attention import BACKEND_NAMES
 from nanoserve.engine.args import EngineArgs
-from nanoserve.model.quant_config import QUANTIZATION_METHODS
+from nanoserve.model.quant.quant_config import QUANTIZATION_METHODS
 
 _HELP = {
     "dtype": "auto (bf16 on GPUs and CPUs with native bf16, else fp32), bfloat16 or float32; float16 only on CUDA",

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.engine.builder import build_engine
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.runtime.builder import build_engine
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -14,17 +14,17 @@ import uvicorn
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.builder import build_engine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.parallel.worker import run_node_workers
+from nanoserve.runtime.builder import build_engine
+from nanoserve.runtime.engine_core import EngineState
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
-from nanoserve.server.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
-from nanoserve.server.engine_core import EngineState
-from nanoserve.server.launcher import serve_until_signal
-from nanoserve.server.reasoning_parsers import REASONING_PARSER_NAMES
-from nanoserve.server.router import ROUTER_POLICIES, require_router
-from nanoserve.server.sse import DEFAULT_KEEP_ALIVE_S
-from nanoserve.server.tool_parsers import PARSER_NAMES
+from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES
+from nanoserve.server.chat.tool_parsers import PARSER_NAMES
+from nanoserve.server.http_server import serve_until_signal
+from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
+from nanoserve.supervisor.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
+from nanoserve.supervisor.router import ROUTER_POLICIES, require_router
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ _LAUNCHER_ONLY = frozenset({"host", "port", "data_parallel_size", "router_policy
 
 def _run_data_parallel(ns: argparse.Namespace) -> int:
     """`serve --data-parallel-size N`: the replicas, each `nanoserve serve` with this command's
-    other flags, behind the router (nanoserve.server.data_parallel)."""
+    other flags, behind the router (nanoserve.supervisor.data_parallel)."""
     if ns.tensor_parallel_size != 1 or ns.nnodes != 1:
         raise ValueError("--data-parallel-size with --tensor-parallel-size or --nnodes is not supported: the "
                          "replicas would share one rendezvous port; run tensor-parallel replicas one by one "

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from nanoserve.kv.manager import blocks_needed
-from nanoserve.model.quant_config import QUANTIZATION_METHODS
+from nanoserve.model.quant.quant_config import QUANTIZATION_METHODS
 
 log = logging.getLogger(__name__)
 

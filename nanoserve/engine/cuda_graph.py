@@ -31,7 +31,7 @@ from nanoserve.attention import AttentionMetadata, TritonAttention
 
 if TYPE_CHECKING:
     from nanoserve.engine.batch import PreparedBatch
-    from nanoserve.engine.model_runner import Model
+    from nanoserve.engine.model_protocol import Model
 
 log = logging.getLogger(__name__)
 

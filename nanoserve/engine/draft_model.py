@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.attention import AttentionBackend
-from nanoserve.engine.model_runner import KVShape, Model, ModelRunner
+from nanoserve.engine.model_protocol import KVShape, Model
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.sampler import inverse_cdf, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.engine.sequence import Sequence

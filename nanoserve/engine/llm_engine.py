@@ -5,7 +5,7 @@ and returns what each sequence produced in that step and which requests ended in
 ends a request and frees its blocks at once. Single-threaded: the server drives it from one
 engine thread. A request with a structured-output constraint not yet compiled waits outside the
 scheduler while the grammar compiler's threads compile it (vLLM's WAITING_FOR_FSM): the loop never
-compiles, and other requests keep stepping. Built by `nanoserve.engine.builder`, which sizes
+compiles, and other requests keep stepping. Built by `nanoserve.runtime.builder`, which sizes
 everything it is given; what leaves it is typed in `nanoserve.engine.outputs`, and front ends read
 its state through the read-only accessors below, never through the scheduler or the KV manager.
 """
@@ -25,7 +25,8 @@ import llguidance
 import torch
 
 from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.model_runner import Model, ModelRunner
+from nanoserve.engine.model_protocol import Model
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import (
     EngineLimits,
     EngineSnapshot,

@@ -23,7 +23,7 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.kv.manager import BlockTable
 
 if TYPE_CHECKING:
-    from nanoserve.engine.model_runner import KVShape, Model
+    from nanoserve.engine.model_protocol import KVShape, Model
 
 
 def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: float) -> int:

@@ -9,13 +9,14 @@ a captured CUDA graph (`cuda_graph`), or on the CPU the whole decoder in one nat
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
-from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from nanoserve.attention import AttentionBackend, TorchAttention
 from nanoserve.engine.batch import PreparedBatch, prepare_batch
 from nanoserve.engine.cuda_graph import DecodeGraphs
+from nanoserve.engine.model_protocol import KVShape, Model
 from nanoserve.engine.outputs import PromptLogprob
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
@@ -26,28 +27,8 @@ from nanoserve.model.decoder import CausalLM
 from nanoserve.model.native_decoder import NativeDecoder
 
 
-class Model(Protocol):
-    """What the runner needs of a model (CausalLM, or a stand-in in tests and benchmarks)."""
-
-    dtype: torch.dtype
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-
 class RunnerFailure(RuntimeError):
     """The runner can run no further step (a tensor-parallel rank is lost): the engine is dead."""
-
-
-class KVShape(NamedTuple):
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 class StepResult(NamedTuple):

@@ -1,7 +1,8 @@
-"""Model configs, the decoder, weight loading (safetensors and GGUF) and the demo model."""
+"""Model configs, the decoder (`families/` declares each family), weight formats and block
+quantization (`quant/`), checkpoints in and out (`checkpoint/`) and the demo model (`demo/`)."""
 
-from nanoserve.model.config import ModelConfig, UnsupportedModelError
+from nanoserve.model.checkpoint.loader import LoadedModel, load_model
+from nanoserve.model.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from nanoserve.model.decoder import CausalLM
-from nanoserve.model.loader import LoadedModel, ModelLoadError, load_model
 
 __all__ = ["CausalLM", "LoadedModel", "ModelConfig", "ModelLoadError", "UnsupportedModelError", "load_model"]

@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 
 
 
+class ModelLoadError(RuntimeError):
+    """The model could not be found or read; the message is one line meant for the user."""
+
+
 class UnsupportedModelError(ValueError):
     """A checkpoint asks for an architecture or a setting this decoder does not implement."""
 

@@ -18,8 +18,8 @@ from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layer_ops import LayerOps, TorchLayerOps
 from nanoserve.model.layers import RMSNorm, SwiGLU, empty_param, rope_cos_sin, rope_inv_freq
-from nanoserve.model.quant_config import QuantConfig
-from nanoserve.model.weight_formats import LinearWeight
+from nanoserve.model.quant.quant_config import QuantConfig
+from nanoserve.model.quant.weight_formats import LinearWeight
 
 
 class Attention(nn.Module):
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head. Parameters are created empty; a loader
-    must fill every one (see `nanoserve.model.weights.load_weights`). Each matrix is a `LinearWeight`
+    must fill every one (see `nanoserve.model.checkpoint.weights.load_weights`). Each matrix is a `LinearWeight`
     in the format `quant` gives it (dense by default; activations and norms are always `dtype`).
     The embedding table is a `LinearWeight` [vocab, hidden] (`ops.embed` gathers its rows for the
     input tokens, in `dtype`), and with tied embeddings (`lm_head` None) it is the LM head too. `ops`

@@ -29,9 +29,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight, dequantize
 from nanoserve.model.layers import apply_rope, rms_norm
-from nanoserve.model.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
+from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight, dequantize
+from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
 from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from nanoserve.model.config import RopeScaling
 
 if TYPE_CHECKING:
-    from nanoserve.model.quant_config import QuantConfig
+    from nanoserve.model.quant.quant_config import QuantConfig
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -33,10 +33,10 @@ import torch
 
 from nanoserve.attention.cpu_paged import CpuPagedAttention
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
-from nanoserve.model.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.layer_ops import CpuLayerOps
-from nanoserve.model.weight_formats import DenseWeight, LinearWeight
+from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight
+from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight
 from nanoserve.native import DTYPE_SUFFIX, LayerWeights, Matrix
 
 log = logging.getLogger(__name__)

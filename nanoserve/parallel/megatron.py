@@ -26,7 +26,7 @@ import torch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.layer_ops import LayerOps
-from nanoserve.model.weight_formats import DenseWeight, LinearWeight
+from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight
 from nanoserve.parallel.group import TensorParallelGroup
 
 

@@ -22,7 +22,8 @@ import torch
 from nanoserve.attention import AttentionBackend
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.batch import PreparedBatch, prepare_batch
-from nanoserve.engine.model_runner import KVShape, ModelRunner, RunnerFailure
+from nanoserve.engine.model_protocol import KVShape
+from nanoserve.engine.model_runner import ModelRunner, RunnerFailure
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.model import LoadedModel
 from nanoserve.parallel.group import Rendezvous, TensorParallelGroup

@@ -30,19 +30,24 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.server.async_engine import AsyncEngine
-from nanoserve.server.dashboard import register_dashboard
-from nanoserve.server.engine_core import EngineState
-from nanoserve.server.errors import APIError, error_body, install_error_handlers, invalid_request
-from nanoserve.server.metrics import Metrics
-from nanoserve.server.pages import register_pages
-from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from nanoserve.server.reasoning_parsers import REASONING_PARSER_NAMES
+from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.runtime.engine_core import EngineState
+from nanoserve.runtime.metrics import Metrics
+from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES
+from nanoserve.server.chat.tool_parsers import PARSER_NAMES
+from nanoserve.server.protocol.errors import APIError, error_body, install_error_handlers, invalid_request
+from nanoserve.server.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.serving import Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
-from nanoserve.server.sse import DEFAULT_KEEP_ALIVE_S
-from nanoserve.server.tool_parsers import PARSER_NAMES
+from nanoserve.server.web.dashboard import register_dashboard
+from nanoserve.server.web.pages import register_pages
 
 DEMO_MODEL_NAME = "nanoserve-demo"
 DEFAULT_MAX_QUEUED_REQUESTS = 1024

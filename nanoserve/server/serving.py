@@ -20,17 +20,17 @@ from pydantic import BaseModel
 from nanoserve.engine.outputs import EngineLimits, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.structured import GrammarCompiler
-from nanoserve.server.async_engine import (
+from nanoserve.runtime.async_engine import (
     AsyncEngine,
     EngineError,
     EngineUnavailableError,
     OutputStream,
     QueueFullError,
 )
-from nanoserve.server.engine_core import EngineInfo, EngineState
-from nanoserve.server.errors import APIError
-from nanoserve.server.reasoning_parsers import reasoning_parser_name
-from nanoserve.server.tool_parsers import ToolCallParser, parser_factory
+from nanoserve.runtime.engine_core import EngineInfo, EngineState
+from nanoserve.server.chat.reasoning_parsers import reasoning_parser_name
+from nanoserve.server.chat.tool_parsers import ToolCallParser, parser_factory
+from nanoserve.server.protocol.errors import APIError
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,8 @@ class Serving:
 
     engine: AsyncEngine
     model_name: str
-    tool_call_parser: str = "auto"  # see nanoserve.server.tool_parsers.PARSER_NAMES
-    reasoning_parser: str = "auto"  # see nanoserve.server.reasoning_parsers.REASONING_PARSER_NAMES
+    tool_call_parser: str = "auto"  # see nanoserve.server.chat.tool_parsers.PARSER_NAMES
+    reasoning_parser: str = "auto"  # see nanoserve.server.chat.reasoning_parsers.REASONING_PARSER_NAMES
     grammars: GrammarGate = field(default_factory=GrammarGate)
     keep_alive_s: float | None = None  # a silent stream's keep-alive comment interval (see sse)
 

@@ -29,15 +29,15 @@ from fastapi.responses import JSONResponse, Response
 
 from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
-from nanoserve.server import sse
-from nanoserve.server.async_engine import EngineError, OutputStream
-from nanoserve.server.chat_output import ChatOutputFormat, tool_call_chunks
-from nanoserve.server.engine_core import EngineInfo
-from nanoserve.server.errors import APIError
-from nanoserve.server.forced_tools import forced_tool_calls
-from nanoserve.server.protocol import ChatCompletionRequest
-from nanoserve.server.reasoning_grammar import after_reasoning
-from nanoserve.server.reasoning_parsers import closed_before_reply, starts_in_reasoning
+from nanoserve.runtime.async_engine import EngineError, OutputStream
+from nanoserve.runtime.engine_core import EngineInfo
+from nanoserve.server.chat.forced_tools import forced_tool_calls
+from nanoserve.server.chat.output import ChatOutputFormat, tool_call_chunks
+from nanoserve.server.chat.reasoning_grammar import after_reasoning
+from nanoserve.server.chat.reasoning_parsers import closed_before_reply, starts_in_reasoning
+from nanoserve.server.protocol import sse
+from nanoserve.server.protocol.errors import APIError
+from nanoserve.server.protocol.openai import ChatCompletionRequest
 from nanoserve.server.serving import (
     ChoiceOutput,
     Serving,

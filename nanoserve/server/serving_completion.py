@@ -21,11 +21,11 @@ from fastapi.responses import JSONResponse, Response
 
 from nanoserve.engine.outputs import PromptLogprob, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
-from nanoserve.server import sse
-from nanoserve.server.async_engine import EngineError, OutputStream
-from nanoserve.server.engine_core import EngineInfo
-from nanoserve.server.errors import APIError
-from nanoserve.server.protocol import CompletionRequest
+from nanoserve.runtime.async_engine import EngineError, OutputStream
+from nanoserve.runtime.engine_core import EngineInfo
+from nanoserve.server.protocol import sse
+from nanoserve.server.protocol.errors import APIError
+from nanoserve.server.protocol.openai import CompletionRequest
 from nanoserve.server.serving import (
     ChoiceOutput,
     Serving,

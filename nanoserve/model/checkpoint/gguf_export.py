@@ -1,0 +1,210 @@
+"""Writes a GGUF file from a Hugging Face folder, as llama.cpp's `convert_hf_to_gguf.py` would.
+
+Same metadata keys, tensor names and tensor types as the converter (names and GGUF architecture
+from the model's family, `nanoserve.model.families`): Q and K rows of architectures that store
+them interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept
+F32, tied embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight`
+factors, the tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its
+pre-tokenizer name, special ids and chat template (through `gguf.SpecialVocab`, as the converter
+does). One addition llama.cpp ignores: ROPE_SCALING_KEY keeps the exact llama3 rope parameters,
+which the factors alone do not determine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import tokenizers
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import LlamaFileType, TokenType
+
+from nanoserve.model.checkpoint.gguf_reader import (
+    GPT2_REGEX,
+    PRE_TOKENIZERS,
+    ROPE_FREQS,
+    ROPE_SCALING_KEY,
+    llama3_rope_factors,
+    permute_rotary,
+)
+from nanoserve.model.checkpoint.loader import iter_safetensors, safetensors_files
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch
+
+log = logging.getLogger(__name__)
+
+OUT_TYPES = {
+    "F32": (QType.F32, LlamaFileType.ALL_F32),
+    "F16": (QType.F16, LlamaFileType.MOSTLY_F16),
+    "BF16": (QType.BF16, LlamaFileType.MOSTLY_BF16),
+    "Q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "Q4_0": (QType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+}
+
+
+def export_gguf(
+    hf_dir: str | Path, out_path: str | Path, out_type: str = "F32", families: FamilyRegistry = FAMILIES
+) -> Path:
+    """Converts the checkpoint in `hf_dir` (config.json, *.safetensors, tokenizer.json,
+    tokenizer_config.json) of a model of one of `families` to a GGUF file at `out_path` with
+    matrices stored as `out_type` (F32, F16, BF16, Q8_0 or Q4_0); returns `out_path`. Raises ValueError
+    for what it cannot convert."""
+    if out_type not in OUT_TYPES:
+        raise ValueError(f"unknown GGUF output type {out_type!r}; choose one of {sorted(OUT_TYPES)}")
+    folder, out = Path(hf_dir), Path(out_path)
+    hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    cfg = ModelConfig.from_hf_dict(hf_config, families)
+    family = families[cfg.family]
+    arch = family.gguf
+    if arch is None:
+        raise ValueError(f"{folder.name}: the {family.name} family has no GGUF architecture")
+    qtype, ftype = OUT_TYPES[out_type]
+    if cfg.sliding_window is not None:
+        log.warning("%s: sliding_window=%d is not written; llama.cpp's %s architecture has no sliding window",
+                    folder.name, cfg.sliding_window, arch.name)
+    writer = gguf.GGUFWriter(out, arch.name, use_temp_file=True)
+    _write_hparams(writer, arch, cfg, ftype, folder.name)
+    _write_tokenizer(writer, folder, cfg.vocab_size)
+    for name, tensor in _gguf_tensors(folder, cfg, family, arch):
+        kind = _tensor_type(name, tensor.shape, qtype)
+        data = tensor.to(torch.float32).numpy()
+        writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_hparams(
+    writer: gguf.GGUFWriter, arch: GGUFArch, cfg: ModelConfig, ftype: LlamaFileType, name: str
+) -> None:
+    """The converter's `set_gguf_parameters` for these architectures."""
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_file_type(ftype)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if arch.vocab_and_rope_dims:
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_rope_dimension_count(cfg.head_dim)
+    scaling = cfg.rope_scaling
+    if scaling.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling.factor)
+    elif scaling.rope_type == "llama3":
+        spec = {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_position_embeddings}
+        writer.add_string(ROPE_SCALING_KEY, json.dumps(spec))
+
+
+def _gguf_tensors(
+    folder: Path, cfg: ModelConfig, family: Family, arch: GGUFArch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor in GGUF layout): rope factors first (llama3 scaling only), then every
+    checkpoint tensor renamed, with Q/K rows permuted where the architecture stores them interleaved."""
+    if cfg.rope_scaling.rope_type == "llama3":
+        yield ROPE_FREQS, llama3_rope_factors(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
+    for hf_name, tensor in iter_safetensors(safetensors_files(folder)):
+        tied_head = cfg.tie_word_embeddings and hf_name == "lm_head.weight"
+        if tied_head or hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        ref = family.tensor_by_hf(hf_name)
+        if ref is None:
+            raise ValueError(f"checkpoint tensor {hf_name} has no GGUF equivalent for {cfg.family}")
+        rows = ref.tensor.rows
+        if arch.interleaved_rotary and rows is not None and rows in heads:
+            tensor = permute_rotary(tensor, heads[rows])
+        yield ref.gguf_name, tensor
+
+
+def _tensor_type(name: str, shape: torch.Size, qtype: QType) -> QType:
+    """1-D tensors and norms stay F32; Q8_0 and Q4_0 fall back to F16 when a row is not a whole
+    number of 32-value blocks (both as in the converter)."""
+    if len(shape) <= 1 or name.endswith("_norm.weight"):
+        return QType.F32
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        log.warning("%s: rows of %d values do not fit %s blocks, falling back to F16",
+                    name, shape[-1], qtype.name)
+        return QType.F16
+    return qtype
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
+    """The converter's `_set_vocab_gpt2`: one token per id up to vocab_size ([PADn] for holes),
+    added tokens typed CONTROL (special, or looking like <|...|>) or USER_DEFINED."""
+    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    if spec["model"]["type"] != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"{folder.name}: only byte-level BPE tokenizers can be written to GGUF")
+    if spec.get("normalizer"):
+        log.warning("%s: the tokenizer's normalizer is dropped (llama.cpp applies none)", folder.name)
+    backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    by_id = {i: tok for tok, i in backend.get_vocab(with_added_tokens=True).items()}
+    added = backend.get_added_tokens_decoder()
+    tokens: list[str] = []
+    types: list[TokenType] = []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(TokenType.UNUSED)
+            continue
+        tok = by_id[i]
+        tokens.append(tok)
+        if i not in added:
+            types.append(TokenType.NORMAL)
+        elif added[i].special or (tok.startswith("<|") and tok.endswith("|>")):
+            types.append(TokenType.CONTROL)
+        else:
+            types.append(TokenType.USER_DEFINED)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer_name(spec))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+
+
+def _pre_tokenizer_name(spec: dict[str, Any]) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a tokenizer.json whose splitting it reproduces exactly
+    (the converter identifies it by hashing sample tokenizations; we compare the regex)."""
+    pre = spec.get("pre_tokenizer") or {}
+    regex = _split_regex(pre.get("pretokenizers", [pre]))
+    ignore_merges = bool(spec["model"].get("ignore_merges"))
+    for name, known in PRE_TOKENIZERS.items():
+        if regex == known.regex and known.ignore_merges == ignore_merges:
+            return name
+    raise ValueError(f"the tokenizer's pre-tokenizer ({json.dumps(pre)[:200]}) matches no llama.cpp "
+                     f"pre-tokenizer nanoserve knows ({sorted(PRE_TOKENIZERS)})")
+
+
+def _split_regex(steps: list[dict[str, Any]]) -> str | None:
+    """The regex of a byte-level pre-tokenizer: Split(regex, isolated) then ByteLevel without
+    regex, or a lone ByteLevel with its built-in GPT-2 regex; None for anything else."""
+    if len(steps) == 1 and _is_byte_level(steps[0], use_regex=True):
+        return GPT2_REGEX
+    if len(steps) == 2 and _is_byte_level(steps[1], use_regex=False):
+        split = steps[0]
+        if split.get("type") == "Split" and split.get("behavior") == "Isolated" and not split.get("invert"):
+            return split.get("pattern", {}).get("Regex")
+    return None
+
+
+def _is_byte_level(step: dict[str, Any], *, use_regex: bool) -> bool:
+    return (step.get("type") == "ByteLevel" and not step.get("add_prefix_space")
+            and step.get("use_regex", True) == use_regex)

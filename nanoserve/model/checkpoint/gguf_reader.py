@@ -1,0 +1,414 @@
+"""Reads a GGUF file (llama.cpp's format) into what `load_model` needs: a `config.json`-style dict, a
+tokenizer, and tensors under Hugging Face names in Hugging Face layout.
+
+Invariants:
+- Nothing is unpickled. Tensors are read from a copy-on-write memory map and converted one at a
+  time, so the file is never modified and never held twice in memory: nothing writes to the map,
+  and once `weights()` resumes after a tensor (its consumer has copied it) that tensor's pages are
+  dropped from the map (`MADV_DONTNEED`), as are the metadata's once parsed. Dropping a page of a
+  private mapping that was never written only releases it: a later read (a page shared with the
+  next tensor, a view still held) reads the file again. So a load's resident memory peaks near
+  the copies' size plus one tensor, not the copies plus the whole file.
+- The file's architecture selects a family of the registry (`nanoserve.model.families`); its
+  declaration names the tensors and says how llama.cpp stores them.
+- `weights()` yields exactly what the safetensors checkpoint the file was converted from holds
+  (up to the file's precision): shapes in torch order (GGUF lists dims in reverse), and the Q/K
+  rows of files whose architecture stores them interleaved (`llama`) un-permuted from llama.cpp's
+  interleaved rotary layout back to the rotate-half layout of `transformers`.
+- Tensors of a type nanoserve multiplies in its block format (`KEPT_TYPES`: Q8_0, Q4_0, Q4_K,
+  Q5_K, Q6_K) come as `QuantizedRows`, the file's bytes untouched (a row permutation moves whole
+  rows of blocks: blocks run along a row); `tensor_formats` names them before any is read. Every
+  other type is converted to the dtype asked for.
+- The rebuilt tokenizer tokenizes as llama.cpp does: byte-level BPE split by the file's
+  `tokenizer.ggml.pre` (an unknown pre-tokenizer fails rather than silently splitting text
+  differently), or SentencePiece BPE by piece scores (`nanoserve.tokenizer.sentencepiece_bpe`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import mmap
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+import tokenizers
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFReader, GGUFValueType, ReaderTensor, TokenType
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from nanoserve.model.config import RopeScaling, UnsupportedModelError
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
+from nanoserve.model.layers import rope_inv_freq
+from nanoserve.model.quant.block_quant import BLOCK_FORMATS, QuantizedRows
+from nanoserve.tokenizer import sentencepiece_bpe
+from nanoserve.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+ROPE_FREQS = "rope_freqs.weight"
+# Metadata key (ours, ignored by llama.cpp) holding the exact HF llama3 rope parameters as JSON;
+# llama.cpp files carry only the per-frequency factors in ROPE_FREQS.
+ROPE_SCALING_KEY = "nanoserve.rope_scaling"
+
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+class PreTokenizer(NamedTuple):
+    """How llama.cpp splits text for one `tokenizer.ggml.pre` value, and its defaults there."""
+
+    regex: str
+    ignore_merges: bool  # whole words found in the vocabulary skip BPE (Llama 3)
+    add_bos: bool  # default when the file has no tokenizer.ggml.add_bos_token
+
+
+# Canonical names first: the exporter writes the first name whose regex matches.
+PRE_TOKENIZERS = {
+    "qwen2": PreTokenizer(QWEN2_REGEX, ignore_merges=False, add_bos=False),
+    "deepseek-r1-qwen": PreTokenizer(QWEN2_REGEX, ignore_merges=False, add_bos=False),
+    "llama-bpe": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
+    "llama3": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
+    "llama-v3": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
+    "gpt2": PreTokenizer(GPT2_REGEX, ignore_merges=False, add_bos=False),
+}
+# Control tokens llama.cpp treats as end of generation besides the eos/eot/eom ids in the metadata.
+_END_OF_GENERATION_TEXTS = frozenset(
+    {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+     "<|end_of_text|>", "<EOT>"}
+)
+# GGUF tensor types kept in their block format, and the format of each.
+KEPT_TYPES: Mapping[QType, str] = MappingProxyType({f.qtype: name for name, f in BLOCK_FORMATS.items()})
+
+
+class GGUFCheckpoint(NamedTuple):
+    """A GGUF file opened for loading. `tensors` stay memory-mapped until `weights()` reads them;
+    `family` is the one the file's architecture selected (its `gguf` is set)."""
+
+    hf_config: dict[str, Any]
+    tokenizer: Tokenizer
+    generation_eos: tuple[int, ...]
+    tensors: tuple[ReaderTensor, ...]
+    family: Family
+    mapping: mmap.mmap  # the file's copy-on-write map that `tensors` view
+
+    @property
+    def tensor_formats(self) -> dict[str, str]:
+        """HF name -> block format of every tensor `weights()` yields as `QuantizedRows`."""
+        refs = ((self.family.tensor_by_gguf(t.name), t.tensor_type) for t in self.tensors)
+        return {ref.hf_name: KEPT_TYPES[kind] for ref, kind in refs if ref is not None and kind in KEPT_TYPES}
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+        """(HF name, tensor in HF layout) pairs, read when reached: `QuantizedRows` sharing the
+        file's memory map (one copy for un-permuted rows) for `KEPT_TYPES`, others converted to
+        `dtype`. A destination that keeps no blocks dequantizes them (`load_weights`). Each
+        tensor's pages are dropped from the map once the consumer asks for the next one."""
+        cfg = self.hf_config
+        heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
+        interleaved = self.family.gguf is not None and self.family.gguf.interleaved_rotary
+        for t in self.tensors:
+            if t.name == ROPE_FREQS:  # already folded into hf_config's rope parameters
+                continue
+            ref = self.family.tensor_by_gguf(t.name)
+            if ref is None:
+                log.warning("ignoring GGUF tensor %s (not used by this model)", t.name)
+                continue
+            x = _quantized_rows(t) if t.tensor_type in KEPT_TYPES else _to_torch(t, dtype)
+            rows = ref.tensor.rows
+            if interleaved and rows is not None and rows in heads:
+                x = x[unpermute_rotary(torch.arange(x.shape[0]), heads[rows])]
+            yield ref.hf_name, x
+            _release(self.mapping, t.data_offset, t.data_offset + t.n_bytes)
+
+
+class _Reader(GGUFReader):
+    """`GGUFReader` that parses through a plain ndarray view of its memory map instead of the
+    `np.memmap` itself: the same bytes, without numpy's Python-level memmap bookkeeping on every
+    slice, which dominates reading a large vocabulary and its merges otherwise.
+    Overrides the reader's private `_get` with the same signature and result."""
+
+    def _get(
+        self, offset: int, dtype: npt.DTypeLike, count: int = 1,
+        override_order: Literal["I", "S", "<"] | None = None,
+    ) -> npt.NDArray[Any]:
+        flat = self.__dict__.get("_flat")
+        if flat is None:
+            flat = self._flat = self.data.view(np.ndarray)
+        count = int(count)
+        arr = flat[offset : offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFCheckpoint:
+    """Opens `path` and reads its metadata and tokenizer; tensors are read later by `weights()`.
+
+    Raises UnsupportedModelError naming the architecture (none of `families` is stored as it),
+    tokenizer or setting that nanoserve does not implement.
+    """
+    reader = _Reader(path, mode="c")
+    meta = _metadata(reader)
+    arch = meta.get("general.architecture")
+    family = families.for_gguf_arch(arch) if isinstance(arch, str) else None
+    if family is None:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r} in {Path(path).name}; "
+            f"nanoserve reads {families.gguf_architectures}"
+        )
+    generation_eos = _generation_eos(meta)
+    tokenizer = _tokenizer(meta, generation_eos)
+    hf_config = _hf_config(meta, family, {t.name: t for t in reader.tensors})
+    other = sorted({t.tensor_type.name for t in reader.tensors
+                    if len(t.shape) > 1 and t.tensor_type not in (*KEPT_TYPES, QType.F32)})
+    if other:
+        log.info("%s: converting %s tensors to the model's dtype at load (nanoserve multiplies %s blocks)",
+                 Path(path).name, ", ".join(other), ", ".join(q.name for q in KEPT_TYPES))
+    mapping = reader.data._mmap  # type: ignore[attr-defined]  # np.memmap's own map of the file
+    assert isinstance(mapping, mmap.mmap)
+    if reader.tensors:  # metadata and tokenizer are parsed into Python values by now
+        _release(mapping, 0, min(t.data_offset for t in reader.tensors))
+    return GGUFCheckpoint(hf_config, tokenizer, generation_eos, tuple(reader.tensors), family, mapping)
+
+
+def _release(mapping: mmap.mmap, start: int, end: int) -> None:
+    """Drops the pages of `mapping` (private, never written) that hold bytes [start, end): from the
+    page holding `start` up to the one holding `end - 1`, so a page shared with a neighbouring
+    range is dropped too and read from the file again if that range is read."""
+    if end > start:
+        first = start - start % mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def permute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a Q or K projection from rotate-half to llama.cpp's interleaved rotary layout
+    (llama.cpp's `LlamaModel.permute`): within each head, row i of the first half and row i of the
+    second half become rows 2i and 2i+1."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of `permute_rotary`."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """llama.cpp's `rope_freqs` for a rope scaling rule: the divisor of each rotary frequency."""
+    return rope_inv_freq(head_dim, theta, RopeScaling()) / rope_inv_freq(head_dim, theta, scaling)
+
+
+def fit_llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float) -> dict[str, Any]:
+    """HF llama3 rope parameters that reproduce llama.cpp's per-frequency `factors`.
+
+    The factors fix only the scale factor and the two wavelength thresholds (original context /
+    low_freq_factor, original context / high_freq_factor). We take low_freq_factor = 1, Llama 3.x's
+    value, which makes the original context the low threshold. Needs at least two frequencies
+    between the thresholds (true of real Llama 3.x head sizes).
+    """
+    f = factors.double()
+    factor = f.max().item()
+    wavelen = 2 * math.pi / rope_inv_freq(head_dim, theta, RopeScaling()).double()
+    mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    if int(mid.sum()) < 2:
+        raise UnsupportedModelError(
+            "cannot recover llama3 rope scaling from rope_freqs.weight: "
+            "fewer than two interpolated frequencies"
+        )
+    # smooth = old / (wavelen * (high - low)) - low / (high - low): linear in 1 / wavelen.
+    smooth = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+    design = torch.stack([1 / wavelen[mid], torch.ones_like(smooth)], dim=1)
+    slope, intercept = torch.linalg.lstsq(design, smooth[:, None]).solution.flatten().tolist()
+    return {
+        "rope_type": "llama3",
+        "factor": float(f"{factor:.6g}"),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": float(f"{1 - 1 / intercept:.6g}"),
+        "original_max_position_embeddings": round(-slope / intercept),
+    }
+
+
+def _metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All key/value fields as Python values. float32 scalars become the shortest decimal that
+    rounds to them (1e-06, not 9.99999997e-07), i.e. the value the converter was given."""
+    meta: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        value = field.contents()
+        if field.types == [GGUFValueType.FLOAT32]:
+            value = float(str(np.float32(value)))
+        meta[name] = value
+    return meta
+
+
+def _require(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise UnsupportedModelError(f"GGUF metadata lacks {key!r}")
+    return meta[key]
+
+
+def _hf_config(meta: dict[str, Any], family: Family, tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    """The `config.json` the file was converted from, as far as the decoder needs it."""
+    assert family.gguf is not None
+    arch = family.gguf.name
+    if meta.get(f"{arch}.expert_count"):
+        raise UnsupportedModelError(f"unsupported GGUF model: mixture-of-experts {arch!r} (expert_count > 0)")
+    heads = _require(meta, f"{arch}.attention.head_count")
+    hidden = _require(meta, f"{arch}.embedding_length")
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
+    return {
+        "architectures": [family.architectures[0]],
+        "model_type": family.name,
+        "vocab_size": len(_require(meta, "tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": _require(meta, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _require(meta, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _require(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": _require(meta, f"{arch}.context_length"),
+        "rope_parameters": {"rope_theta": theta, **_rope_scaling(meta, arch, tensors, head_dim, theta)},
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor], head_dim: int, theta: float
+) -> dict[str, Any]:
+    """Rope scaling as HF `rope_parameters` entries. llama.cpp keeps linear scaling in metadata
+    (type defaults to linear, as llama.cpp reads it) and llama3 scaling as ROPE_FREQS factors."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "linear")
+    factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear") or 1.0
+    freqs = tensors.get(ROPE_FREQS)
+    if kind not in ("none", "linear") and factor != 1.0:
+        raise UnsupportedModelError(
+            f"unsupported GGUF rope scaling type {kind!r}; nanoserve reads linear and llama3"
+        )
+    if freqs is None:
+        linear = kind == "linear" and factor != 1.0
+        return {"rope_type": "linear", "factor": factor} if linear else {"rope_type": "default"}
+    if factor != 1.0:
+        raise UnsupportedModelError("unsupported GGUF rope scaling: rope_freqs.weight and a scaling factor")
+    factors = _to_torch(freqs, torch.float32)
+    if ROPE_SCALING_KEY in meta:
+        spec = json.loads(meta[ROPE_SCALING_KEY])
+    else:
+        spec = fit_llama3_scaling(factors, head_dim, theta)
+    known = {k: v for k, v in spec.items() if k in RopeScaling.__slots__}
+    expected = llama3_rope_factors(head_dim, theta, RopeScaling(**known))
+    if not torch.allclose(expected, factors, rtol=1e-4, atol=0.0):
+        raise UnsupportedModelError("unsupported GGUF rope scaling: rope_freqs.weight is not the llama3 rule")
+    return spec
+
+
+def _to_torch(t: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor in torch order and `dtype`. `t.data` is already in torch (row-major) order: the
+    reader reverses GGUF's dims; quantized data comes as raw bytes per row."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if t.tensor_type in (QType.F32, QType.F16):
+        x = torch.from_numpy(t.data)
+    elif t.tensor_type == QType.BF16:
+        x = torch.from_numpy(t.data.view(np.int16)).view(torch.bfloat16)
+    else:
+        try:
+            x = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+        except NotImplementedError:
+            raise UnsupportedModelError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, "
+                                        f"which the gguf package cannot dequantize") from None
+    return x.reshape(shape).to(dtype)
+
+
+def _quantized_rows(t: ReaderTensor) -> QuantizedRows:
+    """A 2-D tensor of a `KEPT_TYPES` type as its raw blocks: uint8 [rows, row_bytes], a view of the
+    memory map (the reader lays a quantized tensor out so already)."""
+    if t.data.ndim != 2:
+        raise UnsupportedModelError(f"GGUF tensor {t.name} of type {t.tensor_type.name} is not a matrix")
+    return QuantizedRows(KEPT_TYPES[t.tensor_type], torch.from_numpy(t.data.view(np.ndarray)), int(t.shape[0]))
+
+
+def _generation_eos(meta: dict[str, Any]) -> tuple[int, ...]:
+    """eos, eot and eom ids from the metadata, then control tokens llama.cpp also ends generation on."""
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = meta.get("tokenizer.ggml.tokens", [])
+    types = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    ids += [i for i, (tok, kind) in enumerate(zip(tokens, types, strict=True))
+            if kind == TokenType.CONTROL and tok in _END_OF_GENERATION_TEXTS]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
+    """Rebuilds the file's tokenizer: byte-level BPE (`tokenizer.ggml.model` "gpt2") from tokens,
+    token types and merges, or SentencePiece BPE ("llama": Llama 2, Mistral) from tokens, scores
+    and token types.
+
+    Control tokens (type 3) become special added tokens, user-defined ones (type 4) non-special
+    added tokens, as in the tokenizer.json they came from; unused (type 5) padding entries stay out
+    of the vocabulary. Byte-level BPE gets no normalizer: llama.cpp applies none (a Qwen2
+    tokenizer.json has NFC, so non-NFC input can tokenize differently from it, as it does in
+    llama.cpp).
+    """
+    model = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = _require(meta, "tokenizer.ggml.tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    if model == "gpt2":
+        backend, add_bos = _byte_level_bpe(meta, tokens, types)
+    elif model == "llama":
+        backend = sentencepiece_bpe.build(tokens, _require(meta, "tokenizer.ggml.scores"), types,
+                                          meta.get("tokenizer.ggml.unknown_token_id"),
+                                          bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        add_bos = True  # llama.cpp's default for SentencePiece vocabularies
+    else:
+        raise UnsupportedModelError(
+            f"unsupported GGUF tokenizer model {model!r}; nanoserve reads byte-level BPE ('gpt2') "
+            "and SentencePiece BPE ('llama')"
+        )
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, kind in enumerate(types) if kind == TokenType.CONTROL])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, kind in enumerate(types) if kind == TokenType.USER_DEFINED])
+    bos, eos = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
+    return Tokenizer(
+        backend,
+        bos_token=None if bos is None else tokens[bos],
+        eos_token=None if eos is None else tokens[eos],
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)),
+        extra_stop_token_ids=stop_ids,
+        tool_chat_template=meta.get("tokenizer.chat_template.tool_use"),
+    )
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[tokenizers.Tokenizer, bool]:
+    """The byte-level BPE model of a "gpt2" vocabulary, split as llama.cpp splits for the file's
+    `tokenizer.ggml.pre`, and that pre-tokenizer's default for adding BOS."""
+    pre_name = meta.get("tokenizer.ggml.pre", "default")
+    if pre_name not in PRE_TOKENIZERS:
+        raise UnsupportedModelError(
+            f"unsupported GGUF pre-tokenizer {pre_name!r}; nanoserve knows {sorted(PRE_TOKENIZERS)}"
+        )
+    pre = PRE_TOKENIZERS[pre_name]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)) if kind != TokenType.UNUSED}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    return backend, pre.add_bos

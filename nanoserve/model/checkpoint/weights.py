@@ -1,0 +1,105 @@
+"""Weight loading: checkpoint tensors onto the fused parameters of `CausalLM`, by the names its
+family declares (`nanoserve.model.families`).
+
+q/k/v projections land in row slices of `qkv_proj`, gate/up in row slices of `gate_up_proj`. Each
+destination is a `WeightDestination`: a tensor (norms, biases) or a `LinearWeight` or a slice of its
+rows, which stores the checkpoint's dense rows in its own format.
+Invariant after `load_weights` returns: every parameter slice was written exactly by the
+checkpoint, or a `MissingWeightsError` named what was absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nanoserve.model.decoder import CausalLM, DecoderLayer
+from nanoserve.model.families import Family, TensorName
+from nanoserve.model.quant.block_quant import BlockQuantWeight, BlockRows, QuantizedRows, dequantize
+from nanoserve.model.quant.weight_formats import LinearWeight, WeightDestination
+
+log = logging.getLogger(__name__)
+
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class MissingWeightsError(ValueError):
+    """The checkpoint lacks tensors the model needs, or has them in the wrong shape."""
+
+
+def _rows(layer: DecoderLayer, block: str) -> slice:
+    """The rows of a fused parameter of `layer` that one `TensorName.rows` block fills."""
+    q, kv, inter = layer.self_attn.q_size, layer.self_attn.kv_size, layer.mlp.inter
+    return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
+            "gate": slice(0, inter), "up": slice(inter, 2 * inter)}[block]
+
+
+def _destination(owner: nn.Module, tensor: TensorName) -> WeightDestination | None:
+    """The view of `owner` (the model, or a layer for a layer tensor) that `tensor` fills, or None
+    if this model has no such parameter (an LM head tied to the embedding, a bias it lacks)."""
+    dest: object = owner
+    for attr in tensor.param.split("."):
+        dest = getattr(dest, attr, None)
+        if dest is None:
+            return None
+    assert isinstance(dest, torch.Tensor | LinearWeight), tensor.param
+    if tensor.rows is None:
+        return dest
+    assert isinstance(owner, DecoderLayer), tensor.param
+    return dest[_rows(owner, tensor.rows)]
+
+
+def _target(model: CausalLM, family: Family, name: str) -> WeightDestination | None:
+    """The destination view of a Hugging Face tensor name, or None if the model has no use for it."""
+    ref = family.tensor_by_hf(name)
+    if ref is None:
+        return None
+    return _destination(model if ref.layer is None else model.layers[ref.layer], ref.tensor)
+
+
+def expected_keys(model: CausalLM, family: Family) -> set[str]:
+    """The Hugging Face names a complete checkpoint must hold: every tensor of `family` that has a
+    destination in `model`."""
+    keys = {t.hf for t in family.global_tensors if _destination(model, t) is not None}
+    for i, layer in enumerate(model.layers):
+        keys |= {f"model.layers.{i}.{t.hf}" for t in family.layer_tensors if _destination(layer, t) is not None}
+    return keys
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedRows]], family: Family) -> None:
+    """Copies checkpoint tensors (Hugging Face names of `family`) into the model: each destination
+    converts dense values to its format (casting to the model's dtype, or quantizing) and takes
+    `QuantizedRows` of its own block format as they are; a dense destination dequantizes them."""
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        dest = _target(model, family, name)
+        if dest is None:
+            if not _IGNORED.search(name):
+                log.warning("ignoring checkpoint tensor %s (not used by this model)", name)
+            continue
+        if dest.shape != tensor.shape:
+            raise MissingWeightsError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        if isinstance(tensor, QuantizedRows):
+            _copy_blocks(dest, tensor, model.dtype)
+        else:
+            dest.copy_(tensor)
+        seen.add(name)
+    missing = expected_keys(model, family) - seen
+    if missing:
+        raise MissingWeightsError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _copy_blocks(dest: WeightDestination, rows: QuantizedRows, dtype: torch.dtype) -> None:
+    """Writes raw blocks into `dest`: byte for byte into block-quantized rows (which must be of
+    their format), dequantized to `dtype` into any other destination."""
+    if isinstance(dest, BlockQuantWeight):
+        dest = dest[0:dest.out_features]
+    if isinstance(dest, BlockRows):
+        dest.copy_(rows)
+    else:
+        dest.copy_(dequantize(rows, dtype))

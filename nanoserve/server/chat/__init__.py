@@ -1,0 +1,2 @@
+"""Chat output post-processing: reasoning and tool calls parsed out of a reply, streamed; the
+grammars that force a tool call or end a reasoning section."""

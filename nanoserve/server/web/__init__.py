@@ -1,0 +1,1 @@
+"""The browser pages: the chat page and the live engine dashboard (static files in `static/`)."""

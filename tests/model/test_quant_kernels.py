@@ -1,0 +1,271 @@
+"""quant.cpp's products and row dequantization against gguf-py's dequantizer (an independent
+implementation of the GGUF block formats), for every format, on every instruction set path this CPU
+can run: the native build and, where the CPU has VNNI, builds without it (AVX2) and without AVX2
+(scalar).
+
+Tolerance of the products (derived, not fitted): quant.cpp quantizes each activation row in blocks
+of 32 with dx = amax / 127 and q = round(x / dx), so each activation moves by at most dx / 2 =
+amax / 254 (times 1.001 for the fp32 rounding of dx and 1 / dx); the product then moves by at most
+sum_k |W[n, k]| * amax(k's block) / 254. On top: fp32 accumulation, 1e-5 * sum |W| |x|, and for bf16
+outputs half an ulp of bf16 (2^-8 relative). The scalar path (no activation quantization) is held
+to the same bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+from collections.abc import Iterator
+
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps
+from nanoserve.model.quant.block_quant import (
+    BLOCK_FORMATS,
+    BlockQuantWeight,
+    QuantizedRows,
+    StackedWeight,
+    dequantize,
+    quantize,
+)
+from nanoserve.model.quant.weight_formats import DenseWeight
+from nanoserve.native import load_cpu_kernels
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
+FORMATS = list(BLOCK_FORMATS)
+# Byte offsets of each format's fp16 scales within a block.
+SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+# (M, N, K in blocks): odd N, K with an odd number of 32-value blocks, M across the row-group tails.
+SHAPES = [(1, 1, 1), (1, 7, 3), (1, 13, 4), (2, 9, 2), (3, 33, 5), (4, 8, 4), (5, 67, 3), (7, 5, 8), (16, 64, 4),
+          (33, 19, 6), (64, 130, 2)]
+ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX-VNNI", 1: "AVX2", 0: "scalar"}
+
+
+def _builds() -> Iterator[tuple[str, tuple[str, ...]]]:
+    yield "native", ("-march=native",)
+    yield "no-vnni", ("-march=native", "-mno-avx512vnni", "-mno-avxvnni")
+    yield "no-avx2", ("-march=x86-64",)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return set(next(line for line in f if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=needs_compiler) for name, _ in _builds()])
+def build(request: pytest.FixtureRequest) -> tuple[str, ctypes.CDLL]:
+    isa = dict(_builds())[request.param]
+    flags = _cpu_flags()
+    if request.param != "native" and not flags & {"avx512_vnni", "avx_vnni"}:
+        pytest.skip("this CPU has no VNNI: the native build is the AVX2 or scalar path already")
+    if request.param == "no-avx2" and "avx2" not in flags:
+        pytest.skip("this CPU has no AVX2: the native build is the scalar path already")
+    built = load_cpu_kernels(isa=isa)
+    assert built is not None, f"g++ is installed, so the library must build with {isa}"
+    return request.param, built
+
+
+@pytest.fixture
+def lib(build: tuple[str, ctypes.CDLL]) -> ctypes.CDLL:
+    return build[1]
+
+
+def test_each_build_runs_the_path_its_flags_select(build: tuple[str, ctypes.CDLL]) -> None:
+    name, lib = build
+    flags = _cpu_flags()
+    native = 3 if {"avx512_vnni", "avx512bw", "avx512dq"} <= flags else (
+        2 if "avx_vnni" in flags else (1 if "avx2" in flags else 0))
+    expected = {"native": native, "no-vnni": 1, "no-avx2": 0}[name]
+    assert lib.nanoserve_quant_isa() == expected, ISA_NAMES[lib.nanoserve_quant_isa()]
+
+
+def random_blocks(fmt: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks: random bytes, fp16 scales in +-[0.001, 0.02], q8_0 quants in [-127, 127]
+    (as ggml's quantizers write them)."""
+    spec = BLOCK_FORMATS[fmt]
+    raw = rng.integers(0, 256, size=(rows, spec.row_bytes(in_features)), dtype=np.uint8)
+    blocks = raw.reshape(-1, spec.type_size)
+    for at in SCALE_OFFSETS[fmt]:
+        scales = rng.uniform(0.001, 0.02, blocks.shape[0]) * rng.choice([-1, 1], blocks.shape[0])
+        blocks[:, at:at + 2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if fmt == "q8_0":
+        quants = blocks[:, 2:].view(np.int8)
+        quants[quants == -128] = -127
+    return raw
+
+
+def reference(raw: np.ndarray, fmt: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, BLOCK_FORMATS[fmt].qtype).astype(np.float32))
+
+
+def bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The derived tolerance of each output of x w^T (see the module docstring)."""
+    amax = x.abs().reshape(x.shape[0], -1, 32).amax(dim=2, keepdim=True).expand(-1, -1, 32).reshape(x.shape)
+    step = amax / 254 * 1.001
+    return step @ w.abs().T + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_linear_within_the_activation_quantization_bound(lib: ctypes.CDLL, fmt: str,
+                                                               dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(2 * FORMATS.index(fmt) + (dtype == torch.bfloat16))
+    spec = BLOCK_FORMATS[fmt]
+    fn = getattr(lib, f"nanoserve_quant_linear_{'f32' if dtype == torch.float32 else 'bf16'}")
+    for i, (m, n, kb) in enumerate(SHAPES):
+        k = kb * spec.block_size
+        raw = random_blocks(fmt, n, k, rng)
+        w = reference(raw, fmt)
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
+        x[:, : k // 3] *= 20  # blocks of very different magnitudes
+        with_bias = i % 2 == 0
+        bias = torch.randn(n).to(dtype) if with_bias else None
+        stride = n + 3 * (i % 3)  # columns [0, n) of a wider output
+        out = torch.full((m, stride), 7.0, dtype=dtype)
+        assert fn(x.data_ptr(), raw.ctypes.data, int(spec.qtype), None if bias is None else bias.data_ptr(),
+                  out.data_ptr(), stride, m, n, k, 1 + i % 2) == 1
+        ref = x.float() @ w.T + (0 if bias is None else bias.float())
+        tol = bound(w, x.float()) + (ref.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
+        err = (out[:, :n].float() - ref).abs()
+        assert (err <= tol).all(), f"{fmt} {dtype} M={m} N={n} K={k}: max excess {(err - tol).max().item()}"
+        assert (out[:, n:] == 7.0).all(), "wrote outside its column slice"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_linear_in_amx_tiles_is_the_bf16_product_of_w_dequantized(fmt: str) -> None:
+    """Where quant.cpp multiplies in AMX tiles (bf16 x of at least `nanoserve_quant_amx_rows` rows),
+    each of the first N - N % 16 columns is x times W dequantized and rounded to bf16, summed in fp32:
+    within 2^-12 of sum |x| |W| (fp32 summation over K <= 2048, far inside the activation bound of
+    the int8 products, ~2^-8) plus half an ulp of bf16; the last N % 16 columns take the int8
+    products (activation bound). Rows of x across the 16-row tiles and their pairs, several threads."""
+    lib = load_cpu_kernels()
+    assert lib is not None
+    first = lib.nanoserve_quant_amx_rows()
+    if first == 0:
+        pytest.skip("no AMX on this CPU (or the OS refuses its tile state): the int8 products take every row")
+    rng = np.random.default_rng(11 + FORMATS.index(fmt))
+    spec = BLOCK_FORMATS[fmt]
+    for i, (m, n, kb) in enumerate([(first, 16, 1), (16, 32, 3), (17, 48, 2), (33, 67, 1), (64, 130, 8 if
+                                    spec.block_size == 32 else 2), (100, 40, 1)]):
+        k = kb * spec.block_size
+        raw = random_blocks(fmt, n, k, rng)
+        w = reference(raw, fmt)
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16)
+        bias = torch.randn(n).to(torch.bfloat16) if i % 2 == 0 else None
+        out = torch.full((m, n + 5), 7.0, dtype=torch.bfloat16)
+        assert lib.nanoserve_quant_linear_bf16(x.data_ptr(), raw.ctypes.data, int(spec.qtype),
+                                               None if bias is None else bias.data_ptr(), out.data_ptr(), n + 5,
+                                               m, n, k, 1 + i % 2) == 1
+        plus = 0 if bias is None else bias.float()
+        ref = x.float() @ w.to(torch.bfloat16).float().T + plus
+        tol = 2**-12 * (x.float().abs() @ w.abs().T) + ref.abs() * 2**-8 + 1e-6
+        tiled = n // 16 * 16
+        tol[:, tiled:] = (bound(w, x.float()) + (x.float() @ w.T + plus).abs() * 2**-8)[:, tiled:]
+        ref[:, tiled:] = (x.float() @ w.T + plus)[:, tiled:]
+        err = (out[:, :n].float() - ref).abs()
+        assert (err <= tol).all(), f"{fmt} M={m} N={n} K={k}: max excess {(err - tol).max().item()}"
+        assert (out[:, n:] == 7.0).all(), "wrote outside its column slice"
+
+
+def test_quant_linear_refuses_what_it_does_not_take(lib: ctypes.CDLL) -> None:
+    out = torch.zeros(1, 4)
+    x = torch.zeros(1, 100)
+    raw = np.zeros((4, 200), dtype=np.uint8)
+    assert lib.nanoserve_quant_linear_f32(x.data_ptr(), raw.ctypes.data, 8, None, out.data_ptr(), 4, 1, 4, 100, 1) == 0
+    assert lib.nanoserve_quant_linear_f32(x.data_ptr(), raw.ctypes.data, 1, None, out.data_ptr(), 4, 1, 4, 64, 1) == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_rows_is_gguf_dequantize(lib: ctypes.CDLL, fmt: str) -> None:
+    """Every value as ggml computes it, bit for bit in fp32 (and rounded once to bf16); gathered rows
+    are the indexed rows; an index out of range writes nothing."""
+    rng = np.random.default_rng(1)
+    spec = BLOCK_FORMATS[fmt]
+    k = 2 * 256
+    raw = random_blocks(fmt, 9, k, rng)
+    ref = reference(raw, fmt)
+    out = torch.empty(9, k)
+    assert lib.nanoserve_dequantize_rows_f32(raw.ctypes.data, int(spec.qtype), 9, k, None, 9, out.data_ptr(), 2) == 1
+    assert torch.equal(out, ref)
+    rows = torch.tensor([8, 0, 3, 3], dtype=torch.int64)
+    gathered = torch.empty(4, k, dtype=torch.bfloat16)
+    assert lib.nanoserve_dequantize_rows_bf16(raw.ctypes.data, int(spec.qtype), 9, k, rows.data_ptr(), 4,
+                                              gathered.data_ptr(), 1) == 1
+    assert torch.equal(gathered, ref[rows].to(torch.bfloat16))
+    bad = torch.tensor([0, 9], dtype=torch.int64)
+    untouched = torch.zeros(2, k)
+    assert lib.nanoserve_dequantize_rows_f32(raw.ctypes.data, int(spec.qtype), 9, k, bad.data_ptr(), 2,
+                                             untouched.data_ptr(), 1) == -1
+    assert not untouched.any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_torch_dequantize_is_gguf_dequantize(fmt: str) -> None:
+    rng = np.random.default_rng(2)
+    raw = random_blocks(fmt, 5, 512, rng)
+    rows = QuantizedRows(fmt, torch.from_numpy(raw), 512)
+    assert torch.equal(dequantize(rows), reference(raw, fmt))
+    assert torch.equal(dequantize(rows[torch.tensor([4, 1])]), reference(raw, fmt)[[4, 1]])
+    assert torch.equal(dequantize(rows[1:3]), reference(raw, fmt)[1:3])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantize_is_ggml_reference_quantizer(fmt: str) -> None:
+    x = torch.randn(6, 96) * torch.logspace(-3, 2, 6)[:, None]
+    x[2, :32] = 0  # an all-zero block
+    ours = quantize(x, fmt).numpy()
+    assert np.array_equal(ours, gguf.quants.quantize(x.numpy(), BLOCK_FORMATS[fmt].qtype))
+    w = BlockQuantWeight.empty(fmt, 6, 96)
+    w[0:3].copy_(QuantizedRows(fmt, torch.from_numpy(ours[:3]), 96))
+    w[3:6].copy_(x[3:6])
+    assert torch.equal(w.blocks, torch.from_numpy(ours))
+
+
+def test_k_quants_cannot_be_quantized_here() -> None:
+    with pytest.raises(NotImplementedError):
+        BlockQuantWeight.empty("q4_k", 2, 256).copy_(torch.zeros(2, 256))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_layer_ops_products_of_quantized_and_stacked_weights(dtype: torch.dtype) -> None:
+    """CpuLayerOps.linear on a stacked weight (q4_k, a dense part, q6_k, with a bias) against the
+    reference (dequantize, then F.linear): within the activation quantization bound up to
+    `quant_max_rows` rows (quant.cpp), to GEMM rounding beyond (dequantized tiles, here several per
+    part); and embed gathers the dequantized rows."""
+    lib = load_cpu_kernels()
+    assert lib is not None
+    ops, reference = CpuLayerOps(lib), TorchLayerOps()
+    rng = np.random.default_rng(5)
+    gen = torch.Generator().manual_seed(5)
+    k = 512
+    top = BlockQuantWeight("q4_k", torch.from_numpy(random_blocks("q4_k", 37, k, rng)), k, dtype)
+    bottom = BlockQuantWeight("q6_k", torch.from_numpy(random_blocks("q6_k", 1100, k, rng)), k, dtype)
+    dense = DenseWeight(torch.randn(9, k, generator=gen).to(dtype))
+    w = StackedWeight([top, dense, bottom])
+    dense_w = torch.cat([dequantize(top), dense.weight.float(), dequantize(bottom)])
+    bias = torch.randn(w.out_features, generator=gen).to(dtype)
+    limit = ops.quant_max_rows[dtype] or 64
+    for m in (1, 3, limit, limit + 1):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        got = ops.linear(x, w, bias).float()
+        ref = reference.linear(x, w, bias).float()
+        exact = x.float() @ dense_w.T + bias.float()
+        if ops.quant_max_rows[dtype] is None or m <= limit:
+            tol = bound(dense_w, x.float()) + exact.abs() * 2**-7 + (2**-8 if dtype == torch.bfloat16 else 0)
+            assert ((got - exact).abs() <= tol).all(), m
+        else:
+            # Two GEMMs summing in different orders: each output within a few roundings of the
+            # terms it sums (|x| |W|^T), whatever the cancellation between them.
+            scale = x.float().abs() @ dense_w.abs().T + bias.float().abs()
+            assert ((got - ref).abs() <= scale * (2**-6 if dtype == torch.bfloat16 else 1e-5)).all(), m
+    ids = torch.tensor([[5, 0], [1099, 17]])
+    assert torch.equal(ops.embed(ids, bottom), dequantize(bottom, dtype)[ids])
+    with pytest.raises(IndexError):
+        ops.embed(torch.tensor([1100]), bottom)

@@ -1,0 +1,106 @@
+"""Helpers for the server tests (no tests here): a demo engine served on a loopback port, a wait
+for the KV pool to be free again, and a strict parser of SSE bytes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.runtime.builder import build_engine
+from nanoserve.server import ServerConfig, build_app
+from nanoserve.server.http_server import ServerThread
+
+SERVED = "demo"
+ENGINE_ARGS: dict[str, Any] = {"num_kv_blocks": 64, "max_model_len": 128}
+
+
+def make_engine(demo_dir: Path, **overrides: Any) -> LLMEngine:
+    return build_engine(EngineArgs(model=str(demo_dir), **{**ENGINE_ARGS, **overrides}))
+
+
+@contextmanager
+def serve(engine: LLMEngine, **config: Any) -> Iterator[tuple[str, FastAPI]]:
+    """The engine behind a fresh app on a free loopback port: (base url, app)."""
+    app = build_app(engine, ServerConfig(served_model_name=SERVED, **config))
+    with ServerThread(app) as server:
+        server.wait_healthy(timeout=60)
+        yield server.url, app
+
+
+def pace(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.02) -> None:
+    """Makes every engine step take at least `seconds`, so that what a test needs to overlap
+    (streams, disconnects, a table of requests) overlaps however fast the machine is."""
+    step = engine.step
+
+    def paced_step() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", paced_step)
+
+
+def wait_idle(app: FastAPI, timeout: float = 20.0) -> None:
+    """Waits until the engine holds no request and every KV block is free (or only cached)."""
+    engine = app.state.engine
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = engine.snapshot
+        if snap.num_running == 0 and snap.num_waiting == 0 and snap.kv.blocks_used == 0:
+            return
+        assert time.monotonic() < deadline, f"the engine is not idle: {snap}"
+        time.sleep(0.02)
+
+
+def sse_payloads(raw: bytes) -> list[Any]:
+    """The JSON payloads of an OpenAI SSE body, checking the framing byte for byte: every event
+    is exactly `data: <compact json>\\n\\n` and the body ends with `data: [DONE]\\n\\n`."""
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    frames = raw[: -len(b"data: [DONE]\n\n")].split(b"\n\n")
+    assert frames[-1] == b""
+    payloads = []
+    for frame in frames[:-1]:
+        assert frame.startswith(b"data: ") and b"\n" not in frame, frame
+        payload = json.loads(frame[len(b"data: "):])
+        assert frame == b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        payloads.append(payload)
+    return payloads
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of one sample line (`name` includes any labels) of a Prometheus text page."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no sample {name}")
+
+
+def background_load(url: str, n: int, max_tokens: int, headers: dict[str, str] | None = None) -> threading.Thread:
+    """n concurrent completions on a background thread (started)."""
+
+    def one(i: int) -> None:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, headers=headers, json={
+            "prompt": f"Request {i}: " + "the quick brown fox " * 6, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    def run() -> None:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
