@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-import nanoserve
 from nanoserve.attention import select_backend
 from nanoserve.engine.args import EngineArgs
 from nanoserve.model import load_model
@@ -82,7 +81,7 @@ class WorkerRanks:
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         config = json.dumps(dataclasses.asdict(args))
         # The workers import the nanoserve this process runs, wherever it was imported from.
-        source = str(Path(nanoserve.__file__).parent.parent)
+        source = str(Path(__file__).resolve().parents[2])  # the folder that holds nanoserve/
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (source, os.environ.get("PYTHONPATH"))))}
         processes = {
             rank: subprocess.Popen([sys.executable, "-m", "nanoserve.parallel", "--rank", str(rank),
