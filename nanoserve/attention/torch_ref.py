@@ -33,14 +33,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 def _gather(cache: torch.Tensor, tables: torch.Tensor, nblk: int) -> torch.Tensor:
     """[n, kv_heads, nblk * block_size, head_dim]: the first `nblk` blocks of each table row."""
     _, bs, kvh, d = cache.shape
-    # index_select, not cache[tables]: advanced indexing is several times slower on CPU.
+    # index_select, not cache[tables]: advanced indexing is much slower on CPU (docs/benchmarks.md,
+    # "Batched vs one at a time on the demo model").
     flat = cache.index_select(0, tables[:, :nblk].flatten())
     return flat.view(tables.shape[0], nblk * bs, kvh, d).transpose(1, 2)
 
 
 def _gather_kv(kv_cache: torch.Tensor, tables: torch.Tensor, nblk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_gather` of the K and the V half of one layer's cache in one index_select (one pass over
-    the table instead of two, ~15% faster on CPU)."""
+    the table instead of two, which is faster on CPU)."""
     _, nb, bs, kvh, d = kv_cache.shape
     flat = kv_cache.view(2, nb, bs * kvh * d).index_select(1, tables[:, :nblk].flatten())
     kv = flat.view(2, tables.shape[0], nblk * bs, kvh, d).transpose(2, 3)

@@ -263,7 +263,7 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
     The largest `_TOP_P_FIRST_WIDTH` probabilities are sorted first (by topk), which settles a
     peaked row; the rows whose mass they do not reach go to `_radix_floor`, exact without a sort
-    (a full sort of a 150K vocabulary costs ~15 ms per row on a CPU). Which path a row takes
+    (a full sort of a 150K vocabulary is slow on a CPU, row by row). Which path a row takes
     depends on that row alone.
     """
     vocab = probs.shape[1]

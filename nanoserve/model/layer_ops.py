@@ -92,8 +92,8 @@ class TorchLayerOps:
 # beyond), and bf16 inputs of up to NATIVE_BF16_M rows where the library multiplies bf16 natively
 # (AVX512-BF16; torch's oneDNN GEMM then does too and overtakes it in a few dozen rows, but up to
 # NATIVE_BF16_M a step through NativeDecoder saves more than that) or of any number where it does
-# not (torch's bf16 GEMM is then emulated, slower at every size). docs/architecture.md has the
-# measurements behind both cuts.
+# not (torch's bf16 GEMM is then emulated, slower at every size). docs/architecture.md ("Runner and
+# sampler") explains both cuts and points to the measurements behind them.
 SMALL_M = 16
 NATIVE_BF16_M = 32
 # Block-quantized weights take the same cuts (up to them quant.cpp's int8 products, beyond them
