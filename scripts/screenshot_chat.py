@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # tests/browser.py: finding and launching Chromium
+sys.path.insert(0, str(ROOT / "tests"))  # tests/support/browser.py: finding and launching Chromium
 
 from browser import launch_chromium, unavailable_reason  # noqa: E402
 

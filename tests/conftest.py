@@ -85,7 +85,7 @@ def one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
     """A headless Chromium (a Playwright `Browser`) for one test module; skips, saying why, where
-    no browser can be had (tests/browser.py)."""
+    no browser can be had (tests/support/browser.py)."""
     from support.browser import launch_chromium, unavailable_reason
 
     if reason := unavailable_reason():

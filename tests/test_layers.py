@@ -3,8 +3,9 @@ file from the source (function-level and TYPE_CHECKING imports included), goes t
 layer or one below it, and no set of modules imports itself in a circle.
 
 A package's face (`__init__.py`) may re-export anything inside its own package (the top one,
-`nanoserve/__init__.py`, anything at all); every other import is held to the order below. Packages that share a layer (`server` and `supervisor`, the leaves at the
-bottom) import nothing of each other.
+`nanoserve/__init__.py`, anything at all); every other import is held to the order below.
+Packages that share a layer (`server` and `supervisor`, the leaves at the bottom) import nothing
+of each other.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
-# Flags of the launcher itself, never passed on to a replica (each gets its own host and port).
+# Flags of the data-parallel supervisor itself, never passed on to a replica (each gets its own host and port).
 _LAUNCHER_ONLY = frozenset({"host", "port", "data_parallel_size", "router_policy", "help"})
 
 
@@ -124,7 +124,7 @@ def _run_data_parallel(ns: argparse.Namespace) -> int:
 
 
 def replica_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[str]:
-    """Arguments that `parser` parses back to the values of `ns` (those of the launcher-only flags
+    """Arguments that `parser` parses back to the values of `ns` (those of the supervisor-only flags
     aside): the positional model first, then every option whose value is not its default."""
     out: list[str] = []
     positional: list[str] = []

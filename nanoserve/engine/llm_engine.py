@@ -12,12 +12,10 @@ its state through the read-only accessors below, never through the scheduler or 
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import itertools
 import logging
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -25,22 +23,20 @@ import llguidance
 import torch
 
 from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.live_stats import LiveStats
 from nanoserve.engine.model_protocol import Model
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import (
     EngineLimits,
     EngineSnapshot,
-    EngineStats,
     KVStats,
     PromptLogprob,
     SequenceDelta,
     SequenceProgress,
-    SequenceStats,
     StepOutput,
-    StepRecord,
 )
 from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.spec_decode import Proposer, SpecStats
 from nanoserve.engine.structured import GrammarCompiler
@@ -50,9 +46,6 @@ from nanoserve.tokenizer.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
-STEP_RING = 256  # steps kept for `stats` between two records
-STATS_MAX_TREE_NODES = 512
-STATS_MAX_SEQS = 256  # of each queue
 # How long a step with nothing to schedule waits for a grammar being compiled before it returns
 # (and the caller looks at its commands again).
 COMPILE_WAIT_S = 0.02
@@ -90,8 +83,9 @@ class LLMEngine:
         )
         self.runner = runner
         self.stop_token_ids = runner.stop_token_ids
-        self.limits = EngineLimits(self.max_model_len, num_blocks, args.block_size, self.kv.reserve_blocks,
-                                   runner.vocab_size, tokenizer is not None)
+        self.limits = EngineLimits(max_model_len=self.max_model_len, num_blocks=num_blocks, block_size=args.block_size,
+                                   reserve_blocks=self.kv.reserve_blocks, vocab_size=runner.vocab_size,
+                                   detokenizes=tokenizer is not None)
         self.proposer = proposer
         # Structured output needs the tokenizer (the grammar is over its tokens' bytes).
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer)
@@ -109,7 +103,7 @@ class LLMEngine:
         self._prompt_logprobs: dict[Sequence, list[PromptLogprob | None]] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
-        self._steps: collections.deque[StepRecord] | None = None  # filled by step() while recording
+        self.live_stats = LiveStats(self.scheduler, self.kv, self.snapshot)  # the dashboard's view, off by default
         log.info("KV cache: %d blocks of %d tokens (%s layout, prefix cache %s)", num_blocks, args.block_size,
                  args.kv, "on" if self.kv.cache else "off")
 
@@ -161,8 +155,9 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's state now, for a front end (counters since the engine was built)."""
         running = self.num_running
-        return EngineSnapshot(running, len(self._groups) - running, self.kv.snapshot(), self.num_prompt_tokens,
-                              self.num_generated_tokens, dataclasses.replace(self.spec_stats))
+        return EngineSnapshot(num_running=running, num_waiting=len(self._groups) - running, kv=self.kv.snapshot(),
+                              prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generated_tokens,
+                              spec=dataclasses.replace(self.spec_stats))
 
     @property
     def num_running_seqs(self) -> int:
@@ -182,37 +177,6 @@ class LLMEngine:
     def num_live_grammars(self) -> int:
         """Grammar matchers held by unfinished sequences."""
         return 0 if self.grammars is None else self.grammars.num_live
-
-    @property
-    def recording_steps(self) -> bool:
-        return self._steps is not None
-
-    def record_steps(self, on: bool) -> None:
-        """Starts (or stops and forgets) recording each step's composition for `stats`. Off by
-        default: a step then spends nothing on it but two tests of a flag."""
-        if on != self.recording_steps:
-            self._steps = collections.deque(maxlen=STEP_RING) if on else None
-
-    def stats(self) -> EngineStats:
-        """A record of the engine's insides for a live view (see `EngineStats`), taking the steps
-        recorded since the previous call. Reads the block pool's reference counts vectorised, the
-        running sequences' tables and locked paths, the tree's first nodes and the listed
-        sequences: built a few times a second at most, only while someone watches."""
-        cache = self.kv.cache
-        walk = cache.walk(STATS_MAX_TREE_NODES) if cache is not None else []
-        tree = [(parent, len(node.blocks), node.lock_ref > 0) for node, parent in walk]
-        steps: list[StepRecord] = []
-        if self._steps is not None:
-            steps = list(self._steps)
-            self._steps.clear()
-        running, waiting = self.scheduler.running, self.scheduler.waiting
-        states = self.kv.block_states(s.table for s in running)
-        return EngineStats(
-            time.monotonic(), self.kv.block_size, states.tobytes(), tree, cache.num_nodes if cache is not None else 0,
-            [_sequence_stats(s) for s in running[:STATS_MAX_SEQS]],
-            [_sequence_stats(s) for s in waiting[:STATS_MAX_SEQS]], len(waiting), steps, self.snapshot(),
-            self.num_preemptions, self.scheduler.config.max_num_seqs, self.scheduler.config.max_num_batched_tokens,
-        )
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError, with the numbers, when a request can never run, and with the
@@ -316,15 +280,14 @@ class LLMEngine:
             concurrent.futures.wait(self._compiling.values(), COMPILE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
             self._admit_compiled()
         failed, self._failed = self._failed, {}
-        recording = self._steps is not None
-        started = time.monotonic() if recording else 0.0
+        started = self.live_stats.now()
         plan = self.scheduler.schedule()
         if self.proposer is not None:
             for seq in plan.preempted:
                 self.proposer.release(seq)
         if not plan.scheduled:
             return StepOutput([], failed=failed)
-        composition = self._composition(plan) if recording else None
+        start = self.live_stats.step_started(plan, started)
         result = self.runner.execute(plan)
         rejected = {}
         for seq, kept in result.verified:
@@ -355,24 +318,8 @@ class LLMEngine:
             self._propose()
         self.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
         finished, self._finished = self._finished, []
-        if composition is not None and self._steps is not None:
-            end = time.monotonic()
-            self._steps.append(StepRecord(end, end - started, len(plan.scheduled), *composition,
-                                          self.scheduler.config.max_num_batched_tokens, len(plan.preempted)))
+        self.live_stats.step_ended(start, plan)
         return StepOutput(deltas, finished, failed)
-
-    @staticmethod
-    def _composition(plan: StepPlan) -> tuple[int, int, int]:
-        """(decode, draft, prefill) tokens of a plan, read before the step advances it: a
-        sequence with one uncomputed token decodes (plus its drafts); any other computes a chunk."""
-        decode = drafts = prefill = 0
-        for seq, n in plan.scheduled:
-            if seq.num_tokens - seq.num_computed_tokens == 1:
-                decode += 1
-                drafts += n - 1
-            else:
-                prefill += n
-        return decode, drafts, prefill
 
     def _postprocess(self, seq: Sequence, tokens: list[int]) -> SequenceDelta:
         """Appends the step's tokens one by one, stopping at the first that ends the sequence."""
@@ -454,9 +401,3 @@ class LLMEngine:
         if all(s.finished for s in group.sequences):
             del self._groups[seq.request_id]
             self._finished.append(seq.request_id)
-
-
-def _sequence_stats(seq: Sequence) -> SequenceStats:
-    return SequenceStats(seq.request_id, seq.index, seq.num_prompt_tokens, seq.num_computed_tokens,
-                         seq.num_output_tokens, seq.params.max_tokens, seq.num_cached_tokens, seq.num_preemptions,
-                         seq.num_drafts_proposed, seq.num_drafts_accepted)

@@ -92,11 +92,6 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
 
     @property
-    def num_available_blocks(self) -> int:
-        """Blocks an allocation could get now: free ones plus unpinned cached ones."""
-        return self.pool.num_free + (self.cache.evictable_blocks if self.cache else 0)
-
-    @property
     def num_cached_blocks(self) -> int:
         return self.cache.total_blocks if self.cache else 0
 

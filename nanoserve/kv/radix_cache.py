@@ -190,7 +190,3 @@ class RadixCache:
             out.extend((child, i) for child in out[i][0].children.values())
             i += 1
         return out if limit is None else out[:limit]
-
-    def cached_blocks(self) -> list[int]:
-        """Every block held by the tree (for invariant checks)."""
-        return [b for n in self._nodes() for b in n.blocks]

@@ -164,8 +164,8 @@ class EngineCore:
                 del self._scheduled[rid]
                 failed[rid] = f"the engine refused the request: {reason}"
             scheduled = self._newly_scheduled()
-            send(Update(engine.snapshot(), adds, out.deltas, out.finished, scheduled, started, failed,
-                        self._due_stats()))
+            send(Update(snapshot=engine.snapshot(), applied_adds=adds, deltas=out.deltas, finished=out.finished,
+                        scheduled=scheduled, started=started, failed=failed, stats=self._due_stats()))
 
     def abort_all(self) -> None:
         """Aborts every request in the engine and forgets it (at exit, and after a failed step)."""
@@ -191,7 +191,7 @@ class EngineCore:
                 self.engine.abort(cmd.request_id)
             elif isinstance(cmd, WatchStats):
                 self._watched = cmd.on
-                self.engine.record_steps(cmd.on)
+                self.engine.live_stats.record_steps(cmd.on)
                 self._next_stats = 0.0  # a new watcher gets a record at once
         return adds
 
@@ -206,7 +206,7 @@ class EngineCore:
         if now < self._next_stats:
             return None
         self._next_stats = now + STATS_INTERVAL_S
-        return self.engine.stats()
+        return self.engine.live_stats.record()
 
     def _newly_scheduled(self) -> list[str]:
         scheduled = []

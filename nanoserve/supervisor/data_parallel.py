@@ -1,19 +1,19 @@
 """`nanoserve serve --data-parallel-size N`: N replicas of `nanoserve serve` behind sglang-router,
-started, watched and stopped by one process (the launcher).
+started, watched and stopped by one process (the supervisor).
 
 Layout (`DataParallelPlan`): the router answers on the user's host:port; replica i on
-127.0.0.1:port+1+i; the router's own Prometheus metrics on host:port+N+1. Cores: the launcher's
+127.0.0.1:port+1+i; the router's own Prometheus metrics on host:port+N+1. Cores: the supervisor's
 CPU affinity is split into N contiguous groups, one per replica, each replica pinned to its group
 and running that many torch threads (OMP_NUM_THREADS), so replicas never compete for a core
 (with fewer cores than replicas, each gets one core, shared round-robin).
 
 Lifecycle (`serve_data_parallel`): the replicas start; the router starts once every replica
-answers /health with 200 and the launcher returns to waiting once the router has them all. On
+answers /health with 200 and the supervisor returns to waiting once the router has them all. On
 SIGINT or SIGTERM the router stops first (no new requests), then the replicas, which finish their
 in-flight requests within their own shutdown timeout. A replica that dies is logged and left out
 by the router's health checks, the others keep serving; the death of the router, or of every
-replica, ends the launcher (exit status 1). Every child runs in a session of its own (a terminal's
-Ctrl-C reaches the launcher only) and, on Linux, gets SIGTERM should the launcher die
+replica, ends the supervisor (exit status 1). Every child runs in a session of its own (a terminal's
+Ctrl-C reaches the supervisor only) and, on Linux, gets SIGTERM should the supervisor die
 (PR_SET_PDEATHSIG).
 """
 

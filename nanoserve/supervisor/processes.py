@@ -1,4 +1,4 @@
-"""Child processes of a supervisor (the data-parallel launcher): started in a session of their
+"""Child processes of a supervisor (the data-parallel supervisor): started in a session of their
 own, optionally pinned to cores, killed with their parent; waited for until ready; stopped with
 SIGTERM, then SIGKILL."""
 
@@ -47,7 +47,7 @@ def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived while the launcher was still starting things."""
+    """SIGINT or SIGTERM arrived while the supervisor was still starting things."""
 
 
 def wait_until(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, timeout_s: float,

@@ -23,7 +23,7 @@ _KEY_VARIABLE = "NANOSERVE_ROUTER_API_KEY"
 # `ps` shows, only takes it as a flag).
 _LAUNCH = (f"import os, sys; from sglang_router.launch_router import main; key = os.environ.pop({_KEY_VARIABLE!r}, "
            "None); sys.argv += ['--api-key', key] if key else []; main()")
-# nanoserve's log levels -> the router's: it logs every request at info and warns of what the launcher
+# nanoserve's log levels -> the router's: it logs every request at info and warns of what the supervisor
 # reports itself (a replica gone) or what does not apply (no tokenizer for a model it only forwards to).
 _LOG_LEVELS = {"DEBUG": "info", "INFO": "error", "WARNING": "error", "ERROR": "error"}
 

@@ -1,6 +1,6 @@
 """Data parallel: `nanoserve serve --data-parallel-size 2`, two replicas of the demo model behind
 sglang-router, started by the one command in a subprocess and driven over loopback; and the
-launcher's pure parts (cpu split, port layout, replica command line, bad input)."""
+supervisor's pure parts (cpu split, port layout, replica command line, bad input)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ import pytest
 
 from nanoserve import cli
 from nanoserve.commands.serve import replica_argv
-from nanoserve.supervisor import data_parallel, processes
 from nanoserve.server.protocol.errors import APIError
 from nanoserve.server.protocol.openai import ChatCompletionRequest, CompletionRequest
+from nanoserve.supervisor import data_parallel, processes
 from nanoserve.supervisor.data_parallel import DataParallelPlan, free_port_range, split_cpus
 
 REPLICA_ARGS = ["--served-model-name", "nanoserve-demo", "--max-model-len", "1024", "--num-kv-blocks", "256",
@@ -46,7 +46,7 @@ class Launched:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def replica_pid(self, i: int) -> int:
-        """The pid of replica i's server process (a child of the launcher, found by its port)."""
+        """The pid of replica i's server process (a child of the supervisor, found by its port)."""
         port = self.replicas[i].rsplit(":", 1)[1]
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         for pid in children:
@@ -71,7 +71,7 @@ def launched(demo_dir: Path, tmp_path: Path, policy: str, api_key: str | None = 
     try:
         deadline = time.monotonic() + 90
         while not _ready(up.url):
-            assert proc.poll() is None, f"the launcher exited:\n{log.read_text()}"
+            assert proc.poll() is None, f"the supervisor exited:\n{log.read_text()}"
             assert time.monotonic() < deadline, f"not up in time:\n{log.read_text()}"
             time.sleep(0.2)
         yield up
@@ -84,7 +84,7 @@ def launched(demo_dir: Path, tmp_path: Path, policy: str, api_key: str | None = 
             os.killpg(proc.pid, signal.SIGKILL)
             raise
         assert status == 0, log.read_text()
-    for url in up.replicas:  # the launcher took its replicas down with it
+    for url in up.replicas:  # the supervisor took its replicas down with it
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health")
 
@@ -153,7 +153,7 @@ def test_cache_aware_routing_finds_each_system_prompt_cached(demo_dir: Path, tmp
 
 def _check_the_api_key(up: Launched) -> None:
     """The router refuses a request without the key (its worker management too), and the key is on
-    no command line of the launcher's children."""
+    no command line of the supervisor's children."""
     body = {"model": "nanoserve-demo", "prompt": "hi", "max_tokens": 1}
     assert httpx.post(f"{up.url}/v1/completions", json=body).status_code == 401
     assert httpx.post(f"{up.url}/v1/completions", json=body, headers={"Authorization": "Bearer no"}).status_code == 401
@@ -166,7 +166,7 @@ def _check_the_api_key(up: Launched) -> None:
 
 def test_a_replica_killed_mid_load_leaves_the_other_serving(demo_dir: Path, tmp_path: Path) -> None:
     """SIGKILL to one replica while 8 requests run: the ones on it may fail (the router retries
-    those that have not answered yet); every request after it succeeds, and the launcher stays up."""
+    those that have not answered yet); every request after it succeeds, and the supervisor stays up."""
     systems = _system_prompts(4)
     with launched(demo_dir, tmp_path, "cache_aware") as up:
         victim = up.replica_pid(1)
@@ -233,7 +233,7 @@ def test_a_missing_router_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch
     assert "pip install 'nanoserve[router]'" in capsys.readouterr().err
 
 
-def test_a_replica_gets_every_flag_but_the_launchers() -> None:
+def test_a_replica_gets_every_flag_but_the_supervisors() -> None:
     parser = cli.build_parser()
     argv = ["serve", "some/model", "--port", "9000", "--host", "0.0.0.0", "--data-parallel-size", "3",
             "--router-policy", "round_robin", "--api-key", "k", "--allowed-origins", "a", "b",

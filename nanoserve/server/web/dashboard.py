@@ -47,10 +47,6 @@ class StatsFeed:
         self._clients: set[asyncio.Queue[bytes]] = set()
         self._previous: EngineStats | None = None  # the last record, for rates
 
-    @property
-    def num_clients(self) -> int:
-        return len(self._clients)
-
     async def events(self) -> AsyncIterator[bytes]:
         """One SSE frame per record, until the consumer stops iterating (the client went)."""
         queue: asyncio.Queue[bytes] = asyncio.Queue(CLIENT_BACKLOG)

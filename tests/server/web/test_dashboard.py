@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.live_stats import LiveStats
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import EngineStats
 from nanoserve.engine.sampling_params import SamplingParams
@@ -99,22 +100,22 @@ def test_engine_stats_records_steps_only_while_asked() -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.add_request("a", list(range(1, 41)), params)  # 40 prompt tokens: two chunks of the budget
     engine.step()
-    assert not engine.recording_steps and engine.stats().steps == []
-    engine.record_steps(True)
+    assert not engine.live_stats.recording and engine.live_stats.record().steps == []
+    engine.live_stats.record_steps(True)
     engine.add_request("b", list(range(50, 60)), params)
     while engine.has_unfinished():
         engine.step()
-    stats = engine.stats()
+    stats = engine.live_stats.record()
     steps = stats.steps
     assert steps[0].prefill_tokens == 8 + 10 and steps[0].decode_tokens == 0  # a's last chunk, b whole
     assert all(s.decode_tokens == s.num_seqs and s.prefill_tokens == 0 for s in steps[1:])
     assert sum(s.decode_tokens for s in steps) == 5 + 5  # the first token of each came from its prefill
     assert all(s.budget == 32 and s.draft_tokens == 0 and s.duration_s >= 0 for s in steps)
-    assert engine.stats().steps == []  # taken by the previous record
+    assert engine.live_stats.record().steps == []  # taken by the previous record
     assert stats.running == [] and stats.waiting == [] and stats.num_waiting_seqs == 0
     assert set(stats.block_states) <= {FREE, CACHED} and len(stats.block_states) == 64
-    engine.record_steps(False)
-    assert not engine.recording_steps
+    engine.live_stats.record_steps(False)
+    assert not engine.live_stats.recording
 
 
 def test_engine_stats_lists_sequences_and_the_tree() -> None:
@@ -123,7 +124,7 @@ def test_engine_stats_lists_sequences_and_the_tree() -> None:
     engine.add_request("a", list(range(1, 21)), params)
     engine.add_request("b", list(range(1, 9)), params)
     engine.step()
-    stats = engine.stats()
+    stats = engine.live_stats.record()
     (run,) = stats.running
     assert (run.request_id, run.prompt_tokens, run.computed_tokens, run.output_tokens) == ("a", 20, 16, 0)
     assert [w.request_id for w in stats.waiting] == ["b"] and stats.num_waiting_seqs == 1
@@ -191,39 +192,39 @@ def test_the_stream_needs_the_api_key(engine: LLMEngine) -> None:
             assert "blocks" in next(_records(r))
 
 
-class CountingEngine(LLMEngine):
-    """An engine that counts the stats records built from it."""
+class CountingStats(LiveStats):
+    """An engine's live stats that count the records built from them."""
 
     stats_calls = 0
 
-    def stats(self) -> EngineStats:
+    def record(self) -> EngineStats:
         self.stats_calls += 1
-        return super().stats()
+        return super().record()
 
 
 def test_nothing_is_built_while_nobody_watches(demo_dir: Path) -> None:
     engine = make_engine(demo_dir)
-    engine.__class__ = CountingEngine
-    assert isinstance(engine, CountingEngine)
+    engine.live_stats.__class__ = CountingStats
+    assert isinstance(engine.live_stats, CountingStats)
     with serve(engine) as (url, app):
         background_load(url, 4, 8).join()
         wait_idle(app)
-        assert engine.stats_calls == 0 and not engine.recording_steps
+        assert engine.live_stats.stats_calls == 0 and not engine.live_stats.recording
         for _ in range(2):  # two viewers in turn: each starts the records, each leaves them stopped
-            calls = engine.stats_calls
+            calls = engine.live_stats.stats_calls
             with httpx.stream("GET", f"{url}/dashboard/stats", timeout=30) as r:
                 records = _records(r)
                 next(records)
                 next(records)  # built at least one interval later, by a core still watched
-                assert engine.stats_calls >= calls + 2 and engine.recording_steps
+                assert engine.live_stats.stats_calls >= calls + 2 and engine.live_stats.recording
             deadline = time.monotonic() + 10
-            while engine.recording_steps:  # the server sees the client go and tells the core
+            while engine.live_stats.recording:  # the server sees the client go and tells the core
                 assert time.monotonic() < deadline, "the stats records did not stop"
                 time.sleep(0.02)
-            calls = engine.stats_calls
+            calls = engine.live_stats.stats_calls
             background_load(url, 2, 8).join()
             time.sleep(0.5)
-            assert engine.stats_calls == calls
+            assert engine.live_stats.stats_calls == calls
 
 
 def test_the_stream_from_an_engine_core_process(demo_dir: Path) -> None:
