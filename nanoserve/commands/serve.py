@@ -19,8 +19,8 @@ from nanoserve.parallel.worker import run_node_workers
 from nanoserve.runtime.builder import build_engine
 from nanoserve.runtime.engine_core import EngineState
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
-from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES
-from nanoserve.server.chat.tool_parsers import PARSER_NAMES
+from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REASONING_PARSERS
+from nanoserve.server.chat.tool_parsers.registry import PARSER_NAMES, TOOL_PARSERS
 from nanoserve.server.http_server import serve_until_signal
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.supervisor.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
@@ -43,11 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default="auto",
-                   help="how tool calls appear in the model's output: hermes (<tool_call> JSON, Qwen), llama3_json "
-                        "(Llama 3.x), mistral ([TOOL_CALLS]), none, or auto (read from the chat template)")
+                   help=f"how tool calls appear in the model's output: {TOOL_PARSERS.help()}")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default="auto",
-                   help="return the <think> block of chat replies as reasoning_content: deepseek_r1 (replies start in "
-                        "it), qwen3 (only when they open it), none, or auto (read from the chat template)")
+                   help=f"return the <think> block of chat replies as reasoning_content: {REASONING_PARSERS.help()}")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="send each request's new tokens every N engine steps (and at its first token and its end); "
                         "N > 1 saves serving work at the cost of burstier streams")

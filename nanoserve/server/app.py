@@ -33,8 +33,8 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.runtime.async_engine import AsyncEngine
 from nanoserve.runtime.engine_core import EngineState
 from nanoserve.runtime.metrics import Metrics
-from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES
-from nanoserve.server.chat.tool_parsers import PARSER_NAMES
+from nanoserve.server.chat.reasoning_parsers import REASONING_PARSERS
+from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS
 from nanoserve.server.protocol.errors import APIError, error_body, install_error_handlers, invalid_request
 from nanoserve.server.protocol.openai import (
     ChatCompletionRequest,
@@ -63,21 +63,17 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    tool_call_parser: str = "auto"  # auto (from the chat template), hermes, llama3_json or none
+    tool_call_parser: str = "auto"  # a name of TOOL_PARSERS: auto (from the chat template), a format, or none
     stream_interval: int = 1  # steps between a request's outputs (see AsyncEngine)
-    reasoning_parser: str = "auto"  # auto (from the chat template), deepseek_r1, qwen3 or none
+    reasoning_parser: str = "auto"  # a name of REASONING_PARSERS: auto, a format, or none
     allowed_origins: tuple[str, ...] = ()
     sse_keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
 
     def __post_init__(self) -> None:
         if self.sse_keep_alive_s is not None and self.sse_keep_alive_s <= 0:
             raise ValueError("the SSE keep-alive interval must be positive (None: no keep-alive)")
-        if self.tool_call_parser not in PARSER_NAMES:
-            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose one of "
-                             f"{', '.join(PARSER_NAMES)}")
-        if self.reasoning_parser not in REASONING_PARSER_NAMES:
-            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of "
-                             f"{', '.join(REASONING_PARSER_NAMES)}")
+        TOOL_PARSERS.check(self.tool_call_parser)
+        REASONING_PARSERS.check(self.reasoning_parser)
 
 
 def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: ServerConfig | None = None,

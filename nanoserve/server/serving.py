@@ -29,7 +29,8 @@ from nanoserve.runtime.async_engine import (
 )
 from nanoserve.runtime.engine_core import EngineInfo, EngineState
 from nanoserve.server.chat.reasoning_parsers import reasoning_parser_name
-from nanoserve.server.chat.tool_parsers import ToolCallParser, parser_factory
+from nanoserve.server.chat.tool_parsers.calls import ToolCallParser
+from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS, parser_factory
 from nanoserve.server.protocol.errors import APIError
 from nanoserve.tokenizer import Tokenizer
 
@@ -72,8 +73,8 @@ class Serving:
 
     engine: AsyncEngine
     model_name: str
-    tool_call_parser: str = "auto"  # see nanoserve.server.chat.tool_parsers.PARSER_NAMES
-    reasoning_parser: str = "auto"  # see nanoserve.server.chat.reasoning_parsers.REASONING_PARSER_NAMES
+    tool_call_parser: str = "auto"  # a name of TOOL_PARSERS (nanoserve.server.chat.tool_parsers.registry)
+    reasoning_parser: str = "auto"  # a name of REASONING_PARSERS (nanoserve.server.chat.reasoning_parsers)
     grammars: GrammarGate = field(default_factory=GrammarGate)
     keep_alive_s: float | None = None  # a silent stream's keep-alive comment interval (see sse)
 
@@ -83,7 +84,7 @@ class Serving:
         parser = parser_factory(self.tool_call_parser, tok.tool_chat_template or tok.chat_template)
         if parser is None:
             raise APIError(400, "this model's chat template shows no tool-call format nanoserve can parse; start the "
-                           "server with --tool-call-parser hermes, llama3_json or mistral", param="tools")
+                           f"server with --tool-call-parser {TOOL_PARSERS.alternatives()}", param="tools")
         return parser
 
     def reasoning_format(self, tok: Tokenizer) -> str | None:

@@ -373,7 +373,7 @@ def test_streamed_equals_non_streamed(url: str) -> None:
 def test_parallel_tool_calls_in_the_grammar(demo_dir: Path, parallel: bool) -> None:
     """parallel_tool_calls false: the forced-call grammar takes exactly one call; true: several."""
     from nanoserve.server.chat.forced_tools import forced_tool_calls
-    from nanoserve.server.chat.tool_parsers import HermesParser
+    from nanoserve.server.chat.tool_parsers.hermes import HermesParser
     from nanoserve.server.protocol.openai import FunctionDefinition
 
     tok = Tokenizer.from_pretrained_dir(demo_dir)

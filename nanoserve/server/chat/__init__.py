@@ -1,2 +1,3 @@
 """Chat output post-processing: reasoning and tool calls parsed out of a reply, streamed; the
-grammars that force a tool call or end a reasoning section."""
+registries that name the parsers' formats; the grammars that force a tool call or end a reasoning
+section."""

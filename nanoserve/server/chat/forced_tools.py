@@ -1,9 +1,8 @@
 """Forced tool calls (`tool_choice` "required" or a named function) as a grammar over the
 tool-call format the model's parser reads (`tool_parsers`), so the output is always a call the
 parser accepts, to one of the allowed functions, with arguments valid against its parameters.
-
-- hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, calls separated by a newline;
-- llama3_json: `{"name": ..., "parameters": {...}}`, calls separated by `; `.
+The parser's class says how its format writes a call (`forced_format`); a format that says
+nothing cannot force one.
 
 With `parallel_tool_calls` false the grammar takes exactly one call; otherwise one or more.
 """
@@ -15,17 +14,10 @@ from typing import Any
 
 from nanoserve.engine.sampling_params import StructuredOutputs
 from nanoserve.engine.structured import json_schema_source
-from nanoserve.server.chat.tool_parsers import HermesParser, Llama3JsonParser, ToolCallParser
+from nanoserve.server.chat.tool_parsers.calls import ToolCallParser
 from nanoserve.server.protocol.errors import APIError
 from nanoserve.server.protocol.openai import FunctionDefinition
 from nanoserve.tokenizer import Tokenizer
-
-# Per parser: the pieces of a call (a marker tag, plain text, or None for the JSON body) and the
-# key of its arguments, and the text between calls.
-_FORMATS: dict[object, tuple[tuple[str | None, ...], str, str]] = {
-    HermesParser: (("<tool_call>", "\n", None, "\n", "</tool_call>"), "arguments", "\n"),
-    Llama3JsonParser: ((None,), "parameters", "; "),
-}
 
 
 def _literal(text: str, tok: Tokenizer) -> str:
@@ -52,12 +44,11 @@ def forced_tool_calls(parser: type[ToolCallParser], functions: list[FunctionDefi
                       parallel: bool, tok: Tokenizer) -> StructuredOutputs:
     """The grammar (Lark, llguidance's dialect, with the call as an embedded JSON schema) of a
     message of forced calls in `parser`'s format; a 400 for a parser with no such grammar."""
-    fmt = _FORMATS.get(parser)
+    fmt = parser.forced_format
     if fmt is None:
         raise APIError(400, "forcing a tool call is not supported with this model's tool-call parser",
                        param="tool_choice")
-    pieces, key, between = fmt
-    schema = json.dumps(json_schema_source(call_schema(functions, key)))
-    calls = f"call ({json.dumps(between)} call)*" if parallel else "call"
-    call = " ".join("body" if p is None else _literal(p, tok) for p in pieces)
+    schema = json.dumps(json_schema_source(call_schema(functions, fmt.arguments_key)))
+    calls = f"call ({json.dumps(fmt.between)} call)*" if parallel else "call"
+    call = " ".join("body" if p is None else _literal(p, tok) for p in fmt.pieces)
     return StructuredOutputs(grammar=f"start: {calls}\ncall: {call}\nbody: %json {schema}\n")

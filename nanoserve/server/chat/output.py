@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from nanoserve.server.chat.reasoning_parsers import ThinkParser
-from nanoserve.server.chat.tool_parsers import ToolCallDelta, ToolCallParser, join_calls
+from nanoserve.server.chat.tool_parsers.calls import ToolCallDelta, ToolCallParser, join_calls
 
 
 class ChoiceDelta(NamedTuple):

@@ -4,9 +4,9 @@ answer, and a request's output constraint applies to the answer only.
 `after_reasoning` wraps a constraint in a Lark grammar (llguidance's dialect) whose start is the
 think block (free text up to `</think>`, then up to `MAX_GAP` whitespace characters), then the constraint:
 
-- the reply starts inside the block (the prompt opened it, or the parser is deepseek_r1): the
-  block's text up to and including `</think>` is required;
-- the reply may open a block (qwen3, thinking not switched off): `<think>`, its text and
+- the reply starts inside the block (the prompt opened it, or the format's replies do, as
+  deepseek_r1's): the block's text up to and including `</think>` is required;
+- the reply may open a block (as qwen3's may, thinking not switched off): `<think>`, its text and
   `</think>` are optional;
 - otherwise (the prompt closed the block) the constraint is left as it is.
 

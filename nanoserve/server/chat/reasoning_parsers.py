@@ -1,5 +1,5 @@
 """Reasoning in generated text: a `<think>...</think>` block (DeepSeek-R1, Qwen3, QwQ) before the
-answer, returned apart as `reasoning_content`.
+answer, returned apart as `reasoning_content`. The formats, by name (`REASONING_PARSERS`):
 
 - `deepseek_r1`: the reply is reasoning from its start (the template opens the block, or the model
   does) until `</think>`; a reply with no `</think>` is all reasoning.
@@ -13,17 +13,41 @@ starts it in content. A reply cut inside the block is all reasoning. The tags ar
 any part of one (a suffix that may still begin a tag is held back); the whitespace between the
 block and the answer is dropped from the content.
 
+A format differs from another only in its entry (`ReasoningFormat`): adding one is one entry in
+`REASONING_PARSERS`, from which the names the server and the CLI accept, "auto" detection and the
+errors follow (see `parser_registry`).
+
 Invariant: the split does not depend on how the text is divided into deltas.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
-from nanoserve.server.chat.tool_parsers import held_back
+from nanoserve.server.chat.parser_registry import ParserRegistry
+from nanoserve.server.chat.tool_parsers.json_scanner import held_back
 
-REASONING_PARSER_NAMES = ("auto", "deepseek_r1", "qwen3", "none")
 START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    """A registered reasoning format: whether a reply starts inside the think block when the
+    prompt leaves it to the format (neither opens nor just closed one), the markers a chat
+    template of it contains (all of them) and a few words for the CLI help."""
+
+    reply_starts_inside: bool
+    markers: tuple[str, ...]
+    summary: str
+
+
+REASONING_PARSERS = ParserRegistry("reasoning parser", {
+    "deepseek_r1": ReasoningFormat(reply_starts_inside=True, markers=(END,), summary="replies start in it"),
+    "qwen3": ReasoningFormat(reply_starts_inside=False, markers=(END, "enable_thinking"),
+                             summary="only when they open it"),
+})
+REASONING_PARSER_NAMES = REASONING_PARSERS.names
 
 
 class Split(NamedTuple):
@@ -32,15 +56,9 @@ class Split(NamedTuple):
 
 
 def reasoning_parser_name(name: str, chat_template: str | None) -> str | None:
-    """The parser `--reasoning-parser` names; "auto" reads the chat template: one that writes
-    `</think>` is qwen3 if it reads `enable_thinking`, else deepseek_r1; any other (or "none") has
-    no parser (None)."""
-    if name not in REASONING_PARSER_NAMES:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(REASONING_PARSER_NAMES)}")
-    if name == "auto":
-        template = chat_template or ""
-        name = "none" if END not in template else "qwen3" if "enable_thinking" in template else "deepseek_r1"
-    return None if name == "none" else name
+    """The format `--reasoning-parser` names: "auto" reads the chat template, and a template that
+    shows no registered format (or "none") has no parser (None)."""
+    return REASONING_PARSERS.choose(name, chat_template)
 
 
 def starts_in_reasoning(name: str, prompt_tail: str) -> bool:
@@ -50,7 +68,7 @@ def starts_in_reasoning(name: str, prompt_tail: str) -> bool:
         return True
     if closed >= 0 and not prompt_tail[closed + len(END):].strip():
         return False
-    return name == "deepseek_r1"
+    return REASONING_PARSERS[name].reply_starts_inside
 
 
 def closed_before_reply(prompt_tail: str) -> bool:

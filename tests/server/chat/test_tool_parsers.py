@@ -8,15 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.server.chat.tool_parsers import (
-    HermesParser,
-    Llama3JsonParser,
-    MistralParser,
-    ToolCall,
-    ToolCallDelta,
-    join_calls,
-    parser_factory,
-)
+from nanoserve.server.chat.tool_parsers.calls import ToolCall, ToolCallDelta, join_calls
+from nanoserve.server.chat.tool_parsers.hermes import HermesParser
+from nanoserve.server.chat.tool_parsers.llama3_json import Llama3JsonParser
+from nanoserve.server.chat.tool_parsers.mistral import MistralParser
+from nanoserve.server.chat.tool_parsers.registry import parser_factory
 
 WEATHER = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "°C"}, ensure_ascii=False))
 TIME = ToolCall("get_time", "{}")
