@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ comp
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory) -> CpuPagedAttention:
-    kernel = load_paged_attention(tmp_path_factory.mktemp("kernels"))
+def backend() -> CpuPagedAttention:
+    kernel = load_paged_attention()
     assert kernel is not None, "g++ is installed, so the kernel must build"
     return CpuPagedAttention(kernel)
 
@@ -197,6 +197,7 @@ def test_tiles_shared_among_threads_give_identical_results(backend):
     torch.testing.assert_close(outs[0].double(), _expected(q, k, v, cache, meta, 0.125), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_selection(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     cpu = torch.device("cpu")

@@ -24,6 +24,8 @@ import torch
 from nanoserve.attention import AttentionBackend, AttentionMetadata, TorchAttention, TritonAttention, select_backend
 from nanoserve.attention.torch_ref import write_kv
 
+pytestmark = pytest.mark.gpu
+
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install triton)", allow_module_level=True)
 
@@ -33,6 +35,7 @@ ATOL = 1e-5
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already in an interpreted process")
+@pytest.mark.slow
 def test_kernels_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-p", "no:cacheprovider"]

@@ -28,6 +28,8 @@ from nanoserve.model.checkpoint.loader import resolve_dtype
 from support.forward import full_logits
 from support.server import make_engine, serve
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
@@ -232,6 +234,7 @@ def test_transformers_peers_on_the_demo_model(tmp_path, capsys, demo_dir):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.peers
 def test_llama_cpp_reads_our_gguf_with_the_same_logits(tmp_path, make_checkpoint, family):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (pip install .[bench])")
     ckpt = make_checkpoint(family)
@@ -248,6 +251,7 @@ def test_llama_cpp_reads_our_gguf_with_the_same_logits(tmp_path, make_checkpoint
     assert torch.allclose(theirs, ours, atol=1e-4, rtol=1e-4), (theirs - ours).abs().max()
 
 
+@pytest.mark.peers
 def test_llama_cpp_peer(tmp_path, capsys, demo_dir):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (pip install .[bench])")
     result, _ = _bench(tmp_path, capsys, str(demo_dir), "--num-prompts", "3", "--input-len-range", "4", "12",
@@ -261,6 +265,7 @@ def test_llama_cpp_peer(tmp_path, capsys, demo_dir):
     assert batched["peak_running"] == 2
 
 
+@pytest.mark.peers
 def test_guidellm_runs_against_our_server(tmp_path, server_url, demo_dir):
     """GuideLLM (offline, with the local tokenizer) completes against nanoserve and reports a
     non-zero output token throughput."""

@@ -26,12 +26,15 @@ from nanoserve.engine.memory_profile import kv_budget_bytes, scratch_prefill
 from nanoserve.engine.model_protocol import KVShape
 from nanoserve.model import load_model
 
+pytestmark = pytest.mark.gpu
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="already interpreted, or no triton")
+@pytest.mark.slow
 def test_graph_cases_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-k",

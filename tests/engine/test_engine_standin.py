@@ -156,6 +156,7 @@ def run_workload(w: Workload) -> tuple[LLMEngine, dict[tuple[str, int], list[int
 
 @settings(max_examples=250, deadline=None)
 @given(w=workloads())
+@pytest.mark.slow
 def test_random_workloads_are_exact_and_return_every_block(w: Workload):
     engine, outputs, aborted = run_workload(w)
     for (rid, _), tokens in outputs.items():

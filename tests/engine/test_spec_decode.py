@@ -23,6 +23,7 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("point_mass", [False, True])
+@pytest.mark.slow
 def test_rejection_rule_preserves_the_target_distribution(point_mass):
     """Drafts drawn from q, kept or replaced by `verify`: the first output token follows p."""
     gen = torch.Generator().manual_seed(0)
@@ -149,6 +150,7 @@ def target_and_draft(make_checkpoint):
 @pytest.mark.parametrize(("method", "min_confidence"), [
     ("ngram", None), ("self-draft", 0.0), ("self-draft", 0.003), ("other-draft", 0.0), ("other-draft", 0.003),
 ])
+@pytest.mark.slow
 def test_greedy_speculation_equals_plain_greedy(target_and_draft, method, min_confidence):
     """Exact output whatever the drafts: the target itself as its draft (every draft accepted), a
     draft that is mostly wrong (rejections and rollbacks), and prompt lookup; a draft model drafting
@@ -229,6 +231,7 @@ def test_no_drafts_while_the_batch_is_over_the_limit(target_and_draft):
         LLM(loaded=target, speculative_model=str(draft_path), speculative_disable_by_batch_size=0)
 
 
+@pytest.mark.slow
 def test_sampled_speculation_matches_the_target_distribution(target_and_draft):
     """Temperature 1, top-k 3: the joint distribution of the first two tokens, the second of which
     comes out of draft verification, matches the target's exactly computed one (chi-square)."""

@@ -358,6 +358,7 @@ def test_sentencepiece_gguf_serves(sentencepiece_gguf):
     assert out[0].outputs[0].text == llm.tokenizer.decode(ids)
 
 
+@pytest.mark.peers
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is in the bench extra")
 def test_sentencepiece_tokenizer_matches_llama_cpp(sentencepiece_gguf):
     """llama.cpp tokenizes the same file identically, special tokens in the text included."""

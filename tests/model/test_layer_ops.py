@@ -34,8 +34,8 @@ BF16_ULP = 2**-7  # relative spacing of bf16 values
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory) -> CpuLayerOps:
-    lib = load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
+def ops() -> CpuLayerOps:
+    lib = load_cpu_kernels()
     assert lib is not None, "g++ is installed, so the library must build"
     return CpuLayerOps(lib)
 
@@ -206,6 +206,7 @@ def test_refuses_what_it_cannot_read(ops):
         ops.qk_norm_rope(torch.randn(4, 4 * 64), cos, sin, 2, 1, 64, None, None, 1e-6)
 
 
+@pytest.mark.slow
 def test_built_once_per_machine_and_source(tmp_path, monkeypatch):
     lib = load_cpu_kernels(tmp_path)
     assert lib is not None
@@ -240,6 +241,7 @@ def test_one_signature_table_for_every_entry_point(ops):
         assert fn.restype is restype and tuple(fn.argtypes) == argtypes, name
 
 
+@pytest.mark.slow
 def test_selection(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     cpu = torch.device("cpu")

@@ -53,9 +53,8 @@ ANY_SPECS = {**SMALL_SPECS, "long chunks": [(20, 1), (60, 25), (70, 70), (7, 3)]
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory) -> tuple[CpuLayerOps, CpuPagedAttention]:
-    cache = tmp_path_factory.mktemp("kernels")
-    lib, kernel = load_cpu_kernels(cache), load_paged_attention(cache)
+def kernels() -> tuple[CpuLayerOps, CpuPagedAttention]:
+    lib, kernel = load_cpu_kernels(), load_paged_attention()
     assert lib is not None and kernel is not None, "g++ is installed, so the library must build"
     return CpuLayerOps(lib), CpuPagedAttention(kernel)
 
@@ -309,6 +308,7 @@ def test_refuses_a_weight_format_it_cannot_read(make_checkpoint, kernels, caplog
             layer_ops.linear(x, quantized)
 
 
+@pytest.mark.slow
 def test_engine_runners_use_it(demo_dir, monkeypatch):
     """The demo target and its draft (here the target itself) run their steps through it on the CPU
     (fp32 decodes and verification steps of up to SMALL_M tokens; every draft pass of a proposal in

@@ -58,7 +58,9 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=needs_compiler) for name, _ in _builds()])
+# The native build is the fast tier's; the builds for older instruction sets compile the library again.
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[needs_compiler] if name == "native" else
+                                                     [needs_compiler, pytest.mark.slow]) for name, _ in _builds()])
 def build(request: pytest.FixtureRequest) -> tuple[str, ctypes.CDLL]:
     isa = dict(_builds())[request.param]
     flags = _cpu_flags()
@@ -76,6 +78,7 @@ def lib(build: tuple[str, ctypes.CDLL]) -> ctypes.CDLL:
     return build[1]
 
 
+@pytest.mark.slow
 def test_each_build_runs_the_path_its_flags_select(build: tuple[str, ctypes.CDLL]) -> None:
     name, lib = build
     flags = _cpu_flags()

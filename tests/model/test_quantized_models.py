@@ -349,6 +349,7 @@ def test_weights_advised_onto_huge_pages():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_k_quant_mix_kept_quantized(gguf_file, family):
     """A Q4_K_M-like file: q4_k, q5_k and q6_k matrices, fused q/k/v and gate/up stacked where their
     parts differ in format."""
@@ -498,6 +499,7 @@ def _llama_cpp_greedy(path: Path, prompts: list[list[int]], monkeypatch: pytest.
     return out
 
 
+@pytest.mark.peers
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is in the bench extra")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_agrees_with_llama_cpp_on_q8_0(gguf_file, family, monkeypatch):
@@ -521,6 +523,7 @@ def test_greedy_agrees_with_llama_cpp_on_q8_0(gguf_file, family, monkeypatch):
     assert agreed / (GREEDY_TOKENS * len(prompts)) >= LLAMA_CPP_AGREEMENT, f"{agreed}/{GREEDY_TOKENS * len(prompts)}"
 
 
+@pytest.mark.peers
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is in the bench extra")
 def test_llama_cpp_q4_k_m_file(make_checkpoint, tmp_path):
     """A Q4_K_M file made by llama.cpp's own quantizer from our F32 export: kept as its k-quants,

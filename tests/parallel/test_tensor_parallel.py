@@ -30,6 +30,8 @@ from nanoserve.runtime.builder import build_engine
 from support.families import FAMILIES
 from support.server import SERVED, serve
 
+pytestmark = pytest.mark.slow
+
 # A pool of 24 blocks of 4 tokens holds about two of these sequences at once (preemption), prefill
 # chunks of at most 16 tokens, and prompts that share a 12-token prefix (prefix cache hits).
 ENGINE: dict[str, Any] = dict(dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=16,

@@ -223,6 +223,7 @@ async def _greedy_outputs(url: str) -> list[str]:
     return list(await asyncio.gather(*(complete(p) for p in PROMPTS), *(chat(p) for p in PROMPTS)))
 
 
+@pytest.mark.slow
 def test_a_core_process_serves_what_the_in_thread_core_serves(demo_dir: Path) -> None:
     with serve(make_engine(demo_dir)) as (url, app):
         expected = asyncio.run(_greedy_outputs(url))
@@ -243,6 +244,7 @@ def test_a_core_process_serves_what_the_in_thread_core_serves(demo_dir: Path) ->
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_speculative_core_process_serves_the_plain_greedy_output_and_counts_its_drafts(demo_dir: Path) -> None:
     """`nanoserve serve --speculative-model` as the CLI runs it (the core in its own process, the
     shipped distilled draft): concurrent greedy completions and streamed chats, plus a request with
@@ -280,6 +282,7 @@ def test_a_speculative_core_process_serves_the_plain_greedy_output_and_counts_it
             (accepted + verifications) / verifications)
 
 
+@pytest.mark.slow
 def test_a_killed_core_process_fails_its_streams_and_the_health_check(demo_dir: Path) -> None:
     with _process_server(demo_dir, max_model_len=2048, num_kv_blocks=256) as (url, _):
         body = {"model": SERVED, "prompt": "go on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -300,6 +303,7 @@ def test_a_killed_core_process_fails_its_streams_and_the_health_check(demo_dir: 
         assert r.status_code == 503
 
 
+@pytest.mark.slow
 def test_a_core_process_that_cannot_load_marks_the_engine_dead(tmp_path: Path) -> None:
     failed: list[bool] = []
     app = build_app(EngineArgs(model=str(tmp_path)), ServerConfig(served_model_name=SERVED),

@@ -260,6 +260,7 @@ def test_openapi_documents_every_request_body(url: str) -> None:
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error(url: str) -> None:
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings

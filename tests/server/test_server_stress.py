@@ -163,6 +163,7 @@ def test_health_is_503_while_the_model_loads(engine: LLMEngine) -> None:
         assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.slow
 def test_serve_exits_1_when_the_model_does_not_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--log-level", "ERROR", "serve", str(tmp_path), "--port", str(_free_port())]
     assert cli.main(argv) == 1
@@ -205,6 +206,7 @@ SERVE_ARGS = ["--served-model-name", SERVED, "--num-kv-blocks", "32", "--max-mod
               "--shutdown-timeout", "1"]
 
 
+@pytest.mark.slow
 def test_sigterm_shuts_the_process_down_within_the_timeout_and_exits_0(demo_dir: Path) -> None:
     """SIGTERM to the whole process group (as a service manager sends it): the engine-core process
     ignores it, so the stream in flight ends normally or at the shutdown timeout, never by a dead engine."""
@@ -229,6 +231,7 @@ def test_sigterm_shuts_the_process_down_within_the_timeout_and_exits_0(demo_dir:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_sigint_stops_nanoserve_serve_which_returns_0(demo_dir: Path) -> None:
     """In this process (SIGINT reaches the main thread, where the CLI runs uvicorn)."""
     port = _free_port()

@@ -29,6 +29,8 @@ from nanoserve.server.protocol.openai import ChatCompletionRequest, CompletionRe
 from nanoserve.supervisor import data_parallel, processes
 from nanoserve.supervisor.data_parallel import DataParallelPlan, free_port_range, split_cpus
 
+pytestmark = pytest.mark.slow
+
 REPLICA_ARGS = ["--served-model-name", "nanoserve-demo", "--max-model-len", "1024", "--num-kv-blocks", "256",
                 "--shutdown-timeout", "2"]
 

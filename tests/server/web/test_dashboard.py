@@ -227,6 +227,7 @@ def test_nothing_is_built_while_nobody_watches(demo_dir: Path) -> None:
             assert engine.live_stats.stats_calls == calls
 
 
+@pytest.mark.slow
 def test_the_stream_from_an_engine_core_process(demo_dir: Path) -> None:
     """The records cross the process boundary (pickled) and an idle core still sends them."""
     args = EngineArgs(model=str(demo_dir), num_kv_blocks=64, max_model_len=128)

@@ -23,6 +23,8 @@ from nanoserve.server.web.pages import CHAT_PAGE_CSP
 
 from support.server import SERVED, make_engine, metric_value, pace, serve, wait_idle
 
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
 API_KEY = "sekret-test-key"
 Page = Any  # playwright.sync_api.Page (the package is imported only where a browser exists)
 

@@ -17,6 +17,8 @@ from nanoserve.engine.llm_engine import LLMEngine
 
 from support.server import background_load, pace, serve, wait_idle
 
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
 API_KEY = "dashboard-test-key"
 Page = Any  # playwright.sync_api.Page (the package is imported only where a browser exists)
 
