@@ -7,17 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from nanoserve.kv import BlockTable, KVCacheManager, RadixCache
+from nanoserve.kv import BlockTable, KVCacheManager
 from nanoserve.kv.radix_cache import RadixNode
-
-
-def nodes_of(cache: RadixCache) -> list[RadixNode]:
-    out, stack = [], list(cache.root.children.values())
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(node.children.values())
-    return out
 
 
 def path_tokens(node: RadixNode) -> list[int]:
@@ -40,7 +31,7 @@ def check_kv_invariants(kv: KVCacheManager, live: Sequence[tuple[BlockTable, Seq
     pinned: set[int] = set()
     expected_locks: Counter[int] = Counter()
     if cache is not None:
-        nodes = nodes_of(cache)
+        nodes = [node for node, _ in cache.walk()]
         for node in nodes:
             assert node.parent is not None and node.parent.children[node.key[:bs]] is node
             assert len(node.key) == len(node.blocks) * bs > 0
