@@ -167,55 +167,41 @@ constexpr bool has_mins(int qtype) { return qtype == kQ4_K || qtype == kQ5_K; }
 // same for vector v of the path (two chunks with NANOSERVE_QUANT_ZMM), except that q8_0 and q4_0
 // there pair two groups in a vector (u(0) of each, pair_scales); q4_k / q5_k also give their mins
 // (min_lanes, place_sums). Built from the block's address once per group, then read per vector.
+//
+// The template itself is q8_0's and q4_0's group, one 32-value block: its fp16 scale, then its
+// quants, q8_0 32 signed bytes, q4_0 16 bytes of nibbles (values 0-15 the low nibbles, 16-31 the
+// high ones); only u's unpacking differs. The k-quants specialise it below. (One template, not a
+// base shared by two specialisations: no layer of inherited constructors between dot_block and
+// these members, so the compiler inlines and allocates registers as for a plain struct.)
 template <int Q>
-struct Group;
-
+struct Group {
+  static_assert(Q == kQ8_0 || Q == kQ4_0, "the k-quants have their own Group");
+  static constexpr int64_t values = 32;
+  const uint8_t* p;
+  __m256 scale;
+  Group() = default;
+  explicit Group(const uint8_t* block) : p(block), scale(_mm256_set1_ps(fp16(block))) {}
+  __m256i u(int) const {
+    if constexpr (Q == kQ8_0) {
+      const __m256i q = load32(p + 2);
+      return kSignTrick ? q : _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
+      const __m128i mask = _mm_set1_epi8(0x0f);
+      return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+    }
+  }
 #if defined(NANOSERVE_QUANT_ZMM)
-// The lane scales of a vector of two 32-value blocks whose fp16 scale is their first two bytes: d of
-// the block at a in lanes 0-7, of the block at b (null: 0) in lanes 8-15; one conversion for both.
-inline FV scales_of_two(const uint8_t* a, const uint8_t* b) {
-  uint16_t da, db = 0;
-  std::memcpy(&da, a, sizeof da);
-  if (b != nullptr) std::memcpy(&db, b, sizeof db);
-  const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | static_cast<uint32_t>(db) << 16)));
-  return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
-                               _mm512_castps128_ps512(both));
-}
-#endif
-
-template <>
-struct Group<kQ8_0> {  // one block
-  static constexpr int64_t values = 32;
-  const uint8_t* p;
-  __m256 scale;
-  Group() = default;
-  explicit Group(const uint8_t* block) : p(block), scale(_mm256_set1_ps(fp16(block))) {}
-  __m256i u(int) const {
-    const __m256i q = load32(p + 2);
-    return kSignTrick ? q : _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+  // A vector is two blocks, this one at a and the next at b (null: none): d of the block at a in
+  // lanes 0-7, of the block at b (null: 0) in lanes 8-15; one conversion for both.
+  static FV pair_scales(const uint8_t* a, const uint8_t* b) {
+    uint16_t da, db = 0;
+    std::memcpy(&da, a, sizeof da);
+    if (b != nullptr) std::memcpy(&db, b, sizeof db);
+    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | static_cast<uint32_t>(db) << 16)));
+    return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+                                 _mm512_castps128_ps512(both));
   }
-#if defined(NANOSERVE_QUANT_ZMM)  // a vector is two blocks: this one at a, the next at b (null: none)
-  static FV pair_scales(const uint8_t* a, const uint8_t* b) { return scales_of_two(a, b); }
-#else  // a vector is this one block
-  IV uv(int) const { return u(0); }
-  FV sv(int) const { return scale; }
-#endif
-};
-
-template <>
-struct Group<kQ4_0> {  // one block
-  static constexpr int64_t values = 32;
-  const uint8_t* p;
-  __m256 scale;
-  Group() = default;
-  explicit Group(const uint8_t* block) : p(block), scale(_mm256_set1_ps(fp16(block))) {}
-  __m256i u(int) const {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-  }
-#if defined(NANOSERVE_QUANT_ZMM)  // a vector is two blocks: this one at a, the next at b (null: none)
-  static FV pair_scales(const uint8_t* a, const uint8_t* b) { return scales_of_two(a, b); }
 #else  // a vector is this one block
   IV uv(int) const { return u(0); }
   FV sv(int) const { return scale; }
