@@ -2,9 +2,10 @@
 
 The sources (`paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`, `quant.cpp` (products with GGUF
 block-quantized weights), and `decoder.cpp`, which composes the others; headers `simd.h` and
-`kernels.h`) include no torch header and need no ninja: one `g++ -O3 -march=native -fopenmp` call
-builds them. The instruction set flags (`-march=native` by default) are a parameter, so that tests
-can build the same sources for an older CPU (e.g. without VNNI) beside the native build.
+`kernels.h`, and quant.cpp's own `quant_isa.h`, `quant_blocks.h`, `quant_dot.h` and `quant_amx.h`)
+include no torch header and need no ninja: one `g++ -O3 -march=native -fopenmp` call builds them.
+The instruction set flags (`-march=native` by default) are a parameter, so that tests can build the
+same sources for an older CPU (e.g. without VNNI) beside the native build.
 OpenMP resolves to the libgomp that torch has already loaded (same soname). The library goes to
 $NANOSERVE_CACHE/kernels under a name that hashes the sources, the flags, the compiler's version and
 the CPU's feature flags (it is built for the CPU it runs on); it is written under a temporary name
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in (
     "paged_attention.cpp", "layer_ops.cpp", "linear.cpp", "quant.cpp", "decoder.cpp"))
-HEADERS = (CSRC / "simd.h", CSRC / "kernels.h")
+HEADERS = tuple(CSRC / name for name in (
+    "simd.h", "kernels.h", "quant_isa.h", "quant_blocks.h", "quant_dot.h", "quant_amx.h"))
 FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 NATIVE_ISA = ("-march=native",)  # the instruction set flags of the build for this CPU
 # The element types the kernels are built for, and the suffix of each entry point's name.

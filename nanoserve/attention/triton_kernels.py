@@ -51,6 +51,21 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax (base 2) that every attention kernel here runs: folds the
+    scores `qk` (`[rows, BLOCK_N]`, masked keys at -inf) and their values `v` (`[BLOCK_N, HEAD_DIM]`)
+    into each row's running max `m_i`, sum of exponentials `l_i` and unnormalised output `acc` (fp32;
+    the earlier tiles' share rescaled by `2**(old max - new max)`); returns the new `(m_i, l_i, acc)`.
+    Start from -inf, 0, 0; each row's first tile needs a finite score (else -inf - -inf is NaN)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, num_splits,
@@ -87,13 +102,8 @@ def _decode_split_kernel(
         k_t = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=valid[None, :], other=0.0)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
     num_heads = tl.num_programs(1) * GROUP
     part = (s * num_heads + heads) * num_splits + split
@@ -169,13 +179,8 @@ def _prefill_kernel(
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         visible = valid[None, :] & (pos[None, :] <= (ctx + rows)[:, None])
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
     o = acc / l_i[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],

@@ -1,0 +1,489 @@
+// GGUF's block formats (q8_0, q4_0, q4_k, q5_k, q6_k) as the quantized products read them: the
+// block layouts, the unpacking of a group of blocks into unsigned bytes and lane scales for the
+// dot products (Group<Q>), and the dequantization of whole rows (dequantize_row, for
+// dequantize_rows and the AMX tiles).
+//
+// Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
+// quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that
+// one translation unit, so the compiler inlines and specialises as within a single file.
+//
+// W layout: [N rows, row_bytes] row-major, each row its blocks side by side, byte for byte as a
+// GGUF tensor (nanoserve/model/block_quant.py spells the block layouts out). Every weight value is
+// scale * (u - offset) - min with u a small unsigned integer: q8_0 u = q + 128 (offset 128), q4_0 a
+// nibble (offset 8), q6_k six bits (offset 32), q4_k / q5_k four or five bits (offset 0, a min per
+// 32 values); the scale is per 32 values (q6_k: per 16). On plain AVX2 (kSignTrick) q8_0's u is q
+// itself, offset 0 (quant_dot.h).
+//
+// Invariants: every dequantization here gives each value as ggml computes it, (d * scale) * q -
+// dmin * min, so the SIMD rows (dequantize_row) and the scalar blocks (dequantize_block) give the
+// same bits; a group's u(c) / uv(v) and s(c) / sv(v) give chunk c's (vector v's) bytes and lane
+// scales in the order the activations are laid out (value i of a chunk in byte i).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_isa.h"
+
+namespace {
+
+// GGUF's tensor type ids (GGMLQuantizationType).
+constexpr int kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kChunk = 32;  // values per chunk: per activation block and per lane-scale group of W
+
+struct BlockLayout {
+  int64_t values, bytes;
+};
+
+// Values and bytes per block; {0, 0} for a type the quantized products do not take.
+constexpr BlockLayout layout(int qtype) {
+  switch (qtype) {
+    case kQ8_0: return {32, 34};
+    case kQ4_0: return {32, 18};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+inline float fp16(const uint8_t* p) {  // IEEE half at p (little-endian) as a float
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, sizeof bits);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// The eight 6-bit scales and mins of a q4_k / q5_k block's 12 scale bytes (see block_quant.py),
+// a byte each: scale c in byte c of *scales, min c in byte c of *mins. Bytes 0-3 hold scales 0-3,
+// bytes 4-7 mins 0-3 (low 6 bits each); scale / min 4 + i is the low / high nibble of byte 8 + i
+// topped by the top two bits of byte i / 4 + i. Done on 32-bit words, four bytes at once.
+inline void k_scales(const uint8_t* p, uint64_t* scales, uint64_t* mins) {
+  uint32_t w[3];
+  std::memcpy(w, p, sizeof w);
+  const uint32_t scales_lo = w[0] & 0x3f3f3f3fu, mins_lo = w[1] & 0x3f3f3f3fu;
+  const uint32_t scales_hi = (w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u);
+  const uint32_t mins_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u);
+  *scales = scales_lo | static_cast<uint64_t>(scales_hi) << 32;
+  *mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
+}
+
+// One block at p as floats y[0 .. values): each value as ggml computes it, (d * scale) * q - dmin * min.
+void dequantize_block(int qtype, const uint8_t* p, float* y) {
+  switch (qtype) {
+    case kQ8_0: {
+      const float d = fp16(p);
+      for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(p[2 + i]));
+      break;
+    }
+    case kQ4_0: {
+      const float d = fp16(p);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>((p[2 + i] & 0xf) - 8);
+        y[i + 16] = d * static_cast<float>((p[2 + i] >> 4) - 8);
+      }
+      break;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const bool five = qtype == kQ5_K;
+      const float d = fp16(p), dmin = fp16(p + 2);
+      uint64_t sc, mn;  // byte c: chunk c's scale, min
+      k_scales(p + 4, &sc, &mn);
+      const uint8_t* qh = p + 16;
+      const uint8_t* qs = p + (five ? 48 : 16);
+      for (int c = 0; c < 8; ++c) {
+        const float d1 = d * static_cast<float>((sc >> (8 * c)) & 0xff);
+        const float m1 = dmin * static_cast<float>((mn >> (8 * c)) & 0xff);
+        for (int l = 0; l < 32; ++l) {
+          int q = c % 2 == 0 ? qs[32 * (c / 2) + l] & 0xf : qs[32 * (c / 2) + l] >> 4;
+          if (five) q |= ((qh[l] >> c) & 1) << 4;
+          y[32 * c + l] = d1 * static_cast<float>(q) - m1;
+        }
+      }
+      break;
+    }
+    case kQ6_K: {
+      const float d = fp16(p + 208);
+      for (int c = 0; c < 8; ++c) {  // chunk c: half c / 4, group g = c % 4 of that half
+        const int h = c / 4, g = c % 4;
+        const uint8_t* ql = p + 64 * h + 32 * (g % 2);
+        const uint8_t* qh = p + 128 + 32 * h;
+        for (int l = 0; l < 32; ++l) {
+          const int low = g < 2 ? ql[l] & 0xf : ql[l] >> 4;
+          const int q = (low | (((qh[l] >> (2 * g)) & 3) << 4)) - 32;
+          const float d1 = d * static_cast<float>(static_cast<int8_t>(p[192 + 2 * c + l / 16]));
+          y[32 * c + l] = d1 * static_cast<float>(q);
+        }
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+// One row of W [K] as floats, block by block (the SIMD path has its own, same values).
+inline void dequantize_row_scalar(int qtype, const uint8_t* src, int64_t K, float* y) {
+  const BlockLayout b = layout(qtype);
+  for (int64_t blk = 0; blk < K / b.values; ++blk) dequantize_block(qtype, src + blk * b.bytes, y + blk * b.values);
+}
+
+#if defined(__AVX2__)
+
+// --- The SIMD path: chunks of 32 values of a row of W as 32 unsigned bytes and 8 lane scales.
+
+// 32 bytes at p; their low / high nibbles as bytes; lane i of v in all eight lanes.
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+inline __m256 lanes_of(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
+
+// The offset each format's u carries (folded into the activation rows) and whether it has mins.
+constexpr int offset_of(int qtype) {
+  return qtype == kQ8_0 ? (kSignTrick ? 0 : 128) : qtype == kQ4_0 ? 8 : qtype == kQ6_K ? 32 : 0;
+}
+constexpr bool has_mins(int qtype) { return qtype == kQ4_K || qtype == kQ5_K; }
+
+// One group of W's blocks (one block: 32 or 256 values, `values`), decoded for the dot products:
+// u(c) chunk c's 32 unsigned bytes, s(c) its 8 lane scales (one per 4 values); uv(v), sv(v) the
+// same for vector v of the path (two chunks with NANOSERVE_QUANT_ZMM), except that q8_0 and q4_0
+// there pair two groups in a vector (u(0) of each, pair_scales); q4_k / q5_k also give their mins
+// (min_lanes, place_sums). Built from the block's address once per group, then read per vector.
+//
+// The template itself is q8_0's and q4_0's group, one 32-value block: its fp16 scale, then its
+// quants, q8_0 32 signed bytes, q4_0 16 bytes of nibbles (values 0-15 the low nibbles, 16-31 the
+// high ones); only u's unpacking differs. The k-quants specialise it below. (One template, not a
+// base shared by two specialisations: no layer of inherited constructors between dot_block and
+// these members, so the compiler inlines and allocates registers as for a plain struct.)
+template <int Q>
+struct Group {
+  static_assert(Q == kQ8_0 || Q == kQ4_0, "the k-quants have their own Group");
+  static constexpr int64_t values = 32;
+  const uint8_t* p;
+  __m256 scale;
+  Group() = default;
+  explicit Group(const uint8_t* block) : p(block), scale(_mm256_set1_ps(fp16(block))) {}
+  __m256i u(int) const {
+    if constexpr (Q == kQ8_0) {
+      const __m256i q = load32(p + 2);
+      return kSignTrick ? q : _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
+      const __m128i mask = _mm_set1_epi8(0x0f);
+      return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+    }
+  }
+#if defined(NANOSERVE_QUANT_ZMM)
+  // A vector is two blocks, this one at a and the next at b (null: none): d of the block at a in
+  // lanes 0-7, of the block at b (null: 0) in lanes 8-15; one conversion for both.
+  static FV pair_scales(const uint8_t* a, const uint8_t* b) {
+    uint16_t da, db = 0;
+    std::memcpy(&da, a, sizeof da);
+    if (b != nullptr) std::memcpy(&db, b, sizeof db);
+    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | static_cast<uint32_t>(db) << 16)));
+    return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+                                 _mm512_castps128_ps512(both));
+  }
+#else  // a vector is this one block
+  IV uv(int) const { return u(0); }
+  FV sv(int) const { return scale; }
+#endif
+};
+
+// q4_k and q5_k: scales d * sc[c] and mins dmin * mn[c] per chunk c, in lanes 0-7 and 8-15 of
+// `both` (512-bit vectors) or in `scale8` and `min8`. min_lanes() holds the mins in the lanes where
+// place_sums puts the activation's chunk sums (the rest zero there).
+template <int Q>
+struct KGroup {
+  static constexpr int64_t values = 256;
+  const uint8_t* p;
+#if defined(NANOSERVE_QUANT_ZMM)
+  __m512 both;
+  KGroup() = default;
+  explicit KGroup(const uint8_t* block) : p(block) {
+    uint64_t sc, mn;
+    k_scales(block + 4, &sc, &mn);
+    const __m512 ints = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<int64_t>(mn), static_cast<int64_t>(sc))));
+    uint32_t d_dmin;
+    std::memcpy(&d_dmin, block, sizeof d_dmin);
+    const __m512 factors = _mm512_permutexvar_ps(  // d in lanes 0-7, dmin in 8-15
+        _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+        _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_dmin)))));
+    both = _mm512_mul_ps(factors, ints);
+  }
+  __m256 scales() const { return _mm512_castps512_ps256(both); }
+  FV min_lanes() const { return both; }
+  static FV place_sums(__m256 sums) { return _mm512_insertf32x8(_mm512_setzero_ps(), sums, 1); }
+#else
+  __m256 scale8, min8;
+  KGroup() = default;
+  explicit KGroup(const uint8_t* block) : p(block) {
+    uint64_t sc, mn;
+    k_scales(block + 4, &sc, &mn);
+    scale8 = _mm256_mul_ps(_mm256_set1_ps(fp16(block)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))));
+    min8 = _mm256_mul_ps(_mm256_set1_ps(fp16(block + 2)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
+  }
+  __m256 scales() const { return scale8; }
+  FV min_lanes() const { return min8; }
+  static FV place_sums(__m256 sums) { return sums; }
+#endif
+  __m256i u(int c) const {
+    constexpr int64_t qs = Q == kQ5_K ? 48 : 16;
+    const __m256i q = load32(p + qs + 32 * (c / 2));
+    const __m256i n = c % 2 == 0 ? low_nibbles(q) : high_nibbles(q);
+    if constexpr (Q == kQ5_K) {
+      const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(load32(p + 16), _mm_cvtsi32_si128(c)),
+                                           _mm256_set1_epi8(1));
+      return _mm256_or_si256(n, _mm256_slli_epi16(bit, 4));
+    }
+    return n;
+  }
+  __m256 s(int c) const { return lanes_of(scales(), c); }
+#if defined(NANOSERVE_QUANT_ZMM)
+  IV uv(int v) const {  // chunks 2v (low nibbles) and 2v + 1 (high nibbles) of the same 32 bytes
+    constexpr int64_t qs = Q == kQ5_K ? 48 : 16;
+    const __m512i q = _mm512_broadcast_i64x4(load32(p + qs + 32 * v));
+    const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i n = _mm512_and_si512(_mm512_srlv_epi16(q, halves), _mm512_set1_epi8(0x0f));
+    if constexpr (Q == kQ5_K) {
+      const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * v))),
+                                               _mm256_set1_epi16(static_cast<int16_t>(2 * v + 1)), 1);
+      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p + 16)), shift),
+                                           _mm512_set1_epi8(1));
+      return _mm512_or_si512(n, _mm512_slli_epi16(bit, 4));
+    }
+    return n;
+  }
+  FV sv(int v) const {
+    const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * v)),
+                                             _mm256_set1_epi32(2 * v + 1), 1);
+    return _mm512_permutexvar_ps(lanes, both);
+  }
+#else
+  IV uv(int v) const { return u(v); }
+  FV sv(int v) const { return s(v); }
+#endif
+};
+template <>
+struct Group<kQ4_K> : KGroup<kQ4_K> {
+  using KGroup::KGroup;
+};
+template <>
+struct Group<kQ5_K> : KGroup<kQ5_K> {
+  using KGroup::KGroup;
+};
+
+template <>
+struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0-3 and 4-7 take 2c, 2c + 1
+  static constexpr int64_t values = 256;
+  const uint8_t* p;
+#if defined(NANOSERVE_QUANT_ZMM)
+  __m512 all;  // the 16 scales
+  Group() = default;
+  explicit Group(const uint8_t* block)
+      : p(block),
+        all(_mm512_mul_ps(_mm512_set1_ps(fp16(block + 208)),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)))))) {}
+  __m256 half(int h) const { return h == 0 ? _mm512_castps512_ps256(all) : _mm512_extractf32x8_ps(all, 1); }
+#else
+  __m256 scales[2];
+  Group() = default;
+  explicit Group(const uint8_t* block) : p(block) {
+    const __m256 d = _mm256_set1_ps(fp16(block + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    scales[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    scales[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+  }
+  __m256 half(int h) const { return scales[h]; }
+#endif
+  // Group g's two high bits (bits 2g, 2g + 1 of each qh byte) moved to bits 4-5 by one shift of the
+  // 16-bit lanes, left by 4 - 2g or right by 2g - 4 (what crosses into the neighbouring byte lands
+  // outside bits 4-5 there), then masked.
+  static __m256i top_bits(__m256i qh, int g) {
+    const __m256i moved = g < 2 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - 2 * g))
+                                : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g - 4));
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+  }
+  __m256i u(int c) const {
+    const int h = c / 4, g = c % 4;
+    const __m256i ql = load32(p + 64 * h + 32 * (g % 2));
+    const __m256i low = g < 2 ? low_nibbles(ql) : high_nibbles(ql);
+    return _mm256_or_si256(low, top_bits(load32(p + 128 + 32 * h), g));
+  }
+  __m256 s(int c) const {
+    const int i = 2 * (c % 4);
+    return _mm256_permutevar8x32_ps(half(c / 4), _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
+  }
+#if defined(NANOSERVE_QUANT_ZMM)
+  IV uv(int v) const {  // chunks 2v, 2v + 1: groups g, g + 1 of half v / 2 (g = 2 (v % 2)), ql runs 0 and 1
+    // As top_bits for both groups at once (groups 0, 1: left by 4, 2; groups 2, 3: right by 0, 2), and
+    // the nibbles and those bits merged by one vpternlogd: (low & 0x0f) | top.
+    const int h = v / 2;
+    const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+    const __m512i low = v % 2 == 0 ? ql : _mm512_srli_epi16(ql, 4);
+    const __m512i qh = _mm512_broadcast_i64x4(load32(p + 128 + 32 * h));
+    const __m512i by = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(v % 2 == 0 ? 4 : 0)),
+                                          _mm256_set1_epi16(2), 1);
+    const __m512i top = _mm512_and_si512(v % 2 == 0 ? _mm512_sllv_epi16(qh, by) : _mm512_srlv_epi16(qh, by),
+                                         _mm512_set1_epi8(0x30));
+    return _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi8(0x0f), 0xec);
+  }
+  FV sv(int v) const {  // lane l: scale 4v + l / 4
+    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * v),
+                                           _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                               12, 13, 14, 15), 2));
+    return _mm512_permutexvar_ps(lanes, all);
+  }
+#else
+  IV uv(int v) const { return u(v); }
+  FV sv(int v) const { return s(v); }
+#endif
+};
+
+// Group Q's scales at block p as dequantize_block computes them: s[i] that of values 16i .. 16i + 15,
+// mins[c] (k-quants with mins) the min of chunk c.
+template <int Q>
+inline void group_scales(const uint8_t* p, float* s, float* mins) {
+  if constexpr (Q == kQ8_0 || Q == kQ4_0) {
+    s[0] = s[1] = fp16(p);
+  } else if constexpr (has_mins(Q)) {
+    const float d = fp16(p), dmin = fp16(p + 2);
+    uint64_t sc, mn;
+    k_scales(p + 4, &sc, &mn);
+    for (int c = 0; c < 8; ++c) {
+      s[2 * c] = s[2 * c + 1] = d * static_cast<float>((sc >> (8 * c)) & 0xff);
+      mins[c] = dmin * static_cast<float>((mn >> (8 * c)) & 0xff);
+    }
+  } else {  // q6_k: a scale per 16 values
+    const float d = fp16(p + 208);
+    for (int i = 0; i < 16; ++i) s[i] = d * static_cast<float>(static_cast<int8_t>(p[192 + i]));
+  }
+}
+
+// 16 values s * (u - offset) - min (min only `with_min`) of 16 bytes u (unsigned; signed where
+// `signed_u`) as fp32: a multiply, then a subtraction, as dequantize_block computes them.
+#if defined(NANOSERVE_QUANT_ZMM)
+template <bool signed_u, bool with_min>
+inline __m512 values16(__m128i u, int offset, float s, float min) {
+  const __m512i wide = signed_u ? _mm512_cvtepi8_epi32(u) : _mm512_cvtepu8_epi32(u);
+  __m512 v = _mm512_mul_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, _mm512_set1_epi32(offset))));
+  if constexpr (with_min) v = _mm512_sub_ps(v, _mm512_set1_ps(min));
+  return v;
+}
+
+inline void store16(__m512 v, float* dst) { _mm512_storeu_ps(dst, v); }
+inline void store16(__m512 v, uint16_t* dst) {  // from_float, lane by lane
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i out = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(out));
+}
+
+// A chunk's 32 values (lo: 0-15, hi: 16-31) as T at dst. For bf16 with AVX512-BF16 one vcvtne2ps2bf16
+// rounds both halves: to nearest even as from_float, the same bits for every value a block holds
+// (dequantized values are zero or normal floats; a NaN scale gives a NaN either way).
+template <typename T>
+inline void store32(__m512 lo, __m512 hi, T* dst) {
+#if defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == sizeof(uint16_t)) {
+    _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    return;
+  }
+#endif
+  store16(lo, dst);
+  store16(hi, dst + 16);
+}
+#endif
+
+// A chunk of 32 bytes u as T at dst: s_lo, s_hi the scales of values 0-15 and 16-31.
+template <bool signed_u, bool with_min, typename T>
+inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, float min, T* dst) {
+#if defined(NANOSERVE_QUANT_ZMM)
+  store32(values16<signed_u, with_min>(_mm256_castsi256_si128(u), offset, s_lo, min),
+          values16<signed_u, with_min>(_mm256_extracti128_si256(u, 1), offset, s_hi, min), dst);
+#else
+  for (int h = 0; h < 4; ++h) {
+    const __m128i bytes = _mm_srli_si128(h < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1),
+                                         8 * (h % 2));
+    const __m256i wide = signed_u ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    __m256 v = _mm256_mul_ps(_mm256_set1_ps(h < 2 ? s_lo : s_hi),
+                             _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, _mm256_set1_epi32(offset))));
+    if constexpr (with_min) v = _mm256_sub_ps(v, _mm256_set1_ps(min));
+    store8(v, dst + 8 * h);
+  }
+#endif
+}
+
+// One row of W [K] as T, chunk by chunk through the groups' unsigned bytes (q8_0: its signed quants
+// as they are): value = s * (u - offset) - min, as dequantize_block computes it (so the same bits).
+// Chunk c (values 32c .. 32c + 31) goes to y + c * chunk_stride (32: a contiguous row).
+template <int Q, typename T>
+void dequantize_row(const uint8_t* src, int64_t K, T* y, int64_t chunk_stride = kChunk) {
+  using G = Group<Q>;
+  constexpr int64_t chunks = G::values / kChunk;
+  for (int64_t gi = 0; gi < K / G::values; ++gi) {
+    const uint8_t* p = src + gi * layout(Q).bytes;
+    float s[G::values / 16], mins[chunks] = {};
+    group_scales<Q>(p, s, mins);
+    T* out = y + gi * chunks * chunk_stride;
+    if constexpr (Q == kQ8_0) {
+      dequantize_chunk<true, false>(load32(p + 2), 0, s[0], s[1], 0.0f, out);
+    } else {
+      const G g(p);
+      for (int c = 0; c < chunks; ++c)
+        dequantize_chunk<false, has_mins(Q)>(g.u(c), offset_of(Q), s[2 * c], s[2 * c + 1], mins[c],
+                                             out + c * chunk_stride);
+    }
+  }
+}
+
+template <typename T>
+inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, T* y) {
+  switch (qtype) {
+    case kQ8_0: dequantize_row<kQ8_0>(src, K, y); break;
+    case kQ4_0: dequantize_row<kQ4_0>(src, K, y); break;
+    case kQ4_K: dequantize_row<kQ4_K>(src, K, y); break;
+    case kQ5_K: dequantize_row<kQ5_K>(src, K, y); break;
+    case kQ6_K: dequantize_row<kQ6_K>(src, K, y); break;
+    default: break;
+  }
+}
+
+#else  // no AVX2: the scalar blocks
+
+template <typename T>
+inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, T* y) {
+  std::vector<float> row(K);
+  dequantize_row_scalar(qtype, src, K, row.data());
+  for (int64_t k = 0; k < K; ++k) from_float(row[k], y + k);
+}
+
+#endif
+
+}  // namespace

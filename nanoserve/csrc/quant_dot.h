@@ -1,0 +1,279 @@
+// The int8 dot products of the quantized products: x's rows quantized per product (Activations),
+// then W's groups (quant_blocks.h) against them with vpdpbusd / vpmaddubsw, for a range of output
+// columns (column_range; quant.cpp shares the ranges among threads). AVX2 and up only.
+//
+// Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
+// quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that
+// one translation unit, so the compiler inlines and specialises as within a single file.
+//
+// Activations are quantized per product, row by row, in blocks of 32: dx = max|x| / 127, qx =
+// round(x / dx) in [-127, 127]. A 32-value stretch ("chunk") of a row of W then contributes
+//   sum_i w_i x_i ~= dx * (scale * (sum_i u_i qx_i - offset * sum_i qx_i) - min * sum_i qx_i)
+// where the integer sums are exact. llama.cpp quantizes activations for its k-quants in blocks of
+// 256 (one scale) and multiplies the sub-block scales in as integers; here every 4-value lane's
+// int32 sum goes through one fp32 multiply-add with its (W scale * x scale) anyway, so blocks of 32
+// cost nothing more and keep the activations more precise. Per activation row we keep: qx (int8),
+// the scale of each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product
+// instruction starts from it, so the offset costs no instruction) and dx * sum(qx) per chunk (for
+// the mins).
+//
+// The dot products: with AVX512-VNNI, vpdpbusd multiplies 64 unsigned bytes of W by 64 signed
+// bytes of x and adds each group of four into 16 int32 lanes (two chunks per instruction); with
+// AVX-VNNI its 256-bit form (one chunk); on plain AVX2, vpmaddubsw (u8 x s8 -> pairs summed to
+// int16) then vpmaddwd by ones (-> int32). vpmaddubsw saturates at 2^15 - 1, which u <= 63 never
+// reaches but q8_0's u = q + 128 would, so q8_0 on plain AVX2 takes the form llama.cpp uses:
+// |qx| against q * sign(qx), no offset (this needs q8_0 quants in [-127, 127], as ggml's quantizers
+// write them; -128 would flip wrongly). Each lane's int32 is converted to fp32 and multiplied by
+// its two scales into an fp32 accumulator per (row of W, row of x).
+//
+// Structure: in a range of columns, W's rows in groups of NW (four for one row of x, two for more)
+// against the rows of x in groups of up to eight (kRowsX); each group of W's blocks is unpacked
+// into registers once per group of x rows and read from L1 for the next, so W streams from memory
+// once per call (the next group of rows prefetched meanwhile). One row of x against q8_0 W
+// (single-stream decode of a Q8_0 file) takes its own loop where the CPU has AVX512-VNNI
+// (q8_0_dot4), which shares the per-block work among four rows.
+//
+// Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
+// a step past K multiplies zeros; each output is reduced, biased and rounded to T once, at the end.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "quant_blocks.h"
+
+#if defined(__AVX2__)
+
+namespace {
+
+constexpr int kRowsX = 8;  // rows of x per pass over a group of W's rows, at most
+
+// The activation rows of one product, quantized for format Q (see the header comment), K padded
+// with zeros to Kp, a multiple of the vector and of the group.
+struct Activations {
+  int64_t Kp;
+  std::vector<int8_t> q;      // [M, Kp]
+  std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
+  std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
+  std::vector<float> sums;    // [M, Kp / 32]: dx * the chunk's sum of qx
+};
+
+template <typename T>
+void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offset, Activations& a) {
+  a.Kp = Kp;
+  a.q.assign(M * Kp, 0);
+  a.scale.assign(M * Kp / 4, 0.0f);
+  a.base.assign(M * Kp / 4, 0);
+  a.sums.assign(M * Kp / kChunk, 0.0f);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K / kChunk; ++c) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(x + m * K + c * kChunk + 8 * i));
+      const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                         _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+      __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+      amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+      const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+      // round(x / dx) to nearest even (vcvtps2dq, as lrintf in the default rounding mode), then
+      // narrowed to bytes in order (the packs interleave 128-bit halves; the permute undoes it).
+      __m256i q32[4];
+      for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+      const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+      const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const int64_t at = m * Kp + c * kChunk;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + at), q);
+      // Each 4-value lane's sum of qx: bytes times one, pairs summed to int16, then to int32.
+      const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+      _mm256_storeu_ps(a.scale.data() + at / 4, _mm256_set1_ps(d));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
+                          _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset)));
+      __m128i total = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+      total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4e));
+      total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xb1));
+      a.sums[at / kChunk] = d * static_cast<float>(_mm_cvtsi128_si32(total));
+    }
+}
+
+// res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart).
+template <int Q, int NW, int MX>
+void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
+               float (*res)[4]) {
+  static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
+  using G = Group<Q>;
+  constexpr int64_t bytes = layout(Q).bytes;
+  FV acc[NW][MX];
+  for (int j = 0; j < NW; ++j)
+    for (int m = 0; m < MX; ++m) acc[j][m] = fzero();
+  const int64_t Kp = a.Kp;
+  // A step covers max(one group, one vector) of values: two q8_0 / q4_0 blocks per 512-bit vector.
+  constexpr int64_t per_step = std::max<int64_t>(G::values, kVecValues);
+  constexpr int64_t groups_per_step = per_step / G::values;
+  const int64_t num_groups = K / G::values;
+  for (int64_t k = 0; k < K; k += per_step) {
+    const int64_t g0 = k / G::values;
+    // The second group of a step may lie past K (an odd number of 32-value blocks): zero chunks,
+    // against zero-padded activations.
+    const bool pair = groups_per_step == 2 && g0 + 1 < num_groups;
+    // The same stretch of the next NW rows of W (the next call's, or the next task's: rows follow
+    // one another in memory), a cache line at a time: the hardware prefetcher does not run far
+    // enough ahead on NW interleaved streams, so W would otherwise arrive at a fraction of the rate
+    // memory delivers it. Into all cache levels (a prefetch never faults).
+    for (int j = NW; j < 2 * NW; ++j)
+      for (int64_t at = g0 * bytes; at < (g0 + groups_per_step) * bytes; at += 64)
+        __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+    G ga[NW], gb[NW];
+    for (int j = 0; j < NW; ++j) {
+      ga[j] = G(w + j * row_bytes + g0 * bytes);
+      if (pair) gb[j] = G(w + j * row_bytes + (g0 + 1) * bytes);
+    }
+    // Unrolled: each vector's offsets and lanes are then constants, with no address or index
+    // arithmetic per vector.
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < per_step / kVecValues; ++v) {
+      IV u[NW];
+      FV s[NW];
+      for (int j = 0; j < NW; ++j) {
+        if constexpr (groups_per_step == 1) {
+          u[j] = ga[j].uv(static_cast<int>(v));
+          s[j] = ga[j].sv(static_cast<int>(v));
+        } else {  // two one-chunk groups in one vector
+          const uint8_t* row = w + j * row_bytes + g0 * bytes;
+          u[j] = join(ga[j].u(0), pair ? gb[j].u(0) : _mm256_setzero_si256());
+          s[j] = G::pair_scales(row, pair ? row + bytes : nullptr);
+        }
+      }
+      const int64_t at = k + v * kVecValues;
+      for (int m = 0; m < MX; ++m) {
+        const int64_t row = (m0 + m) * Kp + at;
+        const IV xq = load_i(a.q.data() + row);
+        const FV xs = load_f(a.scale.data() + row / 4);
+        const IV base = load_i(a.base.data() + row / 4);
+        for (int j = 0; j < NW; ++j) {
+          const IV dp = kSignTrick && Q == kQ8_0 ? dot4(base, abs8(xq), sign_mul(u[j], xq)) : dot4(base, u[j], xq);
+          acc[j][m] = fma(to_fp32(dp), mul(s[j], xs), acc[j][m]);
+        }
+      }
+    }
+    if constexpr (has_mins(Q))  // - sum_c min_c * dx * sum(qx of chunk c), in the lanes of the accumulator
+      for (int m = 0; m < MX; ++m) {
+        const FV sums = G::place_sums(_mm256_loadu_ps(a.sums.data() + ((m0 + m) * Kp + k) / kChunk));
+        for (int j = 0; j < NW; ++j) acc[j][m] = fma(ga[j].min_lanes(), -sums, acc[j][m]);
+      }
+  }
+  for (int j = 0; j < NW; ++j)
+    for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]);
+}
+
+// Output columns [n0, n0 + NW) for all M rows, up to kRowsX rows of x at a time.
+template <int Q, int NW, typename T>
+void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out, int64_t out_stride,
+             int64_t M, int64_t K, int64_t n0) {
+  float res[kRowsX][4] = {};  // (initialised only to quiet -Wmaybe-uninitialized)
+  const uint8_t* w0 = w + n0 * row_bytes;
+  for (int64_t m0 = 0, mx; m0 < M; m0 += mx) {
+    mx = std::min<int64_t>(kRowsX, M - m0);
+    switch (mx) {
+      case 8: dot_block<Q, NW, 8>(w0, row_bytes, a, m0, K, res); break;
+      case 7: dot_block<Q, NW, 7>(w0, row_bytes, a, m0, K, res); break;
+      case 6: dot_block<Q, NW, 6>(w0, row_bytes, a, m0, K, res); break;
+      case 5: dot_block<Q, NW, 5>(w0, row_bytes, a, m0, K, res); break;
+      case 4: dot_block<Q, NW, 4>(w0, row_bytes, a, m0, K, res); break;
+      case 3: dot_block<Q, NW, 3>(w0, row_bytes, a, m0, K, res); break;
+      case 2: dot_block<Q, NW, 2>(w0, row_bytes, a, m0, K, res); break;
+      default: dot_block<Q, NW, 1>(w0, row_bytes, a, m0, K, res); break;
+    }
+    for (int64_t m = 0; m < mx; ++m)
+      for (int j = 0; j < NW; ++j)
+        from_float(res[m][j] + (bias != nullptr ? to_float(bias[n0 + j]) : 0.0f), out + (m0 + m) * out_stride + n0 + j);
+  }
+}
+
+#if defined(NANOSERVE_QUANT_ZMM)
+// res[j] = x . w_j for one row of x and four rows of q8_0 W: dot_block<kQ8_0, 4, 1>'s sums with the
+// per-block work shared among the rows, for the single-stream decode product (memory-bound only
+// if its arithmetic keeps well ahead of memory). A step takes two blocks of each row: the rows' eight
+// fp16 scales in one conversion, times x's two block scales in one multiply, spread over each row's
+// lanes by one permute; each row's quants as two 32-byte loads joined. The next four rows are
+// prefetched meanwhile, as in dot_block.
+void q8_0_dot4(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t K, float* res) {
+  constexpr int64_t bytes = layout(kQ8_0).bytes;
+  const int64_t num_blocks = K / layout(kQ8_0).values;
+  const auto scale = [&](int j, int64_t b) {
+    uint16_t h;
+    std::memcpy(&h, w + j * row_bytes + b * bytes, sizeof h);
+    return static_cast<uint64_t>(h);
+  };
+  __m512i spread[4];  // lanes 0-7 take scale 2j (row j's first block), lanes 8-15 scale 2j + 1
+  for (int j = 0; j < 4; ++j)
+    spread[j] = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  // Blocks b and b + 1; without a block b + 1 (an odd count), zero scale and quants in its place
+  // (x is zero-padded past K).
+  const auto step = [&](int64_t b, auto pair) {
+    for (int j = 4; j < 8; ++j) {
+      __builtin_prefetch(w + j * row_bytes + b * bytes, 0, 3);
+      __builtin_prefetch(w + j * row_bytes + b * bytes + 64, 0, 3);
+    }
+    uint64_t lo = scale(0, b) | scale(1, b) << 32, hi = scale(2, b) | scale(3, b) << 32;
+    if constexpr (pair) {
+      lo |= scale(0, b + 1) << 16 | scale(1, b + 1) << 48;
+      hi |= scale(2, b + 1) << 16 | scale(3, b + 1) << 48;
+    }
+    const __m256 ws = _mm256_cvtph_ps(_mm_insert_epi64(_mm_cvtsi64_si128(static_cast<int64_t>(lo)),
+                                                       static_cast<int64_t>(hi), 1));
+    const float* xs = a.scale.data() + b * kChunk / 4;  // x's lane scales, eight per block
+    const __m256 xs2 = _mm256_blend_ps(_mm256_set1_ps(xs[0]), _mm256_set1_ps(pair ? xs[8] : 0.0f), 0xaa);
+    const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(ws, xs2));
+    const __m512i xq = _mm512_loadu_si512(a.q.data() + b * kChunk);
+    const __m512i base = _mm512_loadu_si512(a.base.data() + b * kChunk / 4);
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* p = w + j * row_bytes + b * bytes + 2;
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i qb = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + bytes))
+                              : _mm256_setzero_si256();
+      const __m512i u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1), flip);
+      const __m512i dp = _mm512_dpbusd_epi32(base, u, xq);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread[j], s), acc[j]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= num_blocks; b += 2) step(b, std::true_type{});
+  if (b < num_blocks) step(b, std::false_type{});
+  for (int j = 0; j < 4; ++j) res[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
+
+// Output columns [begin, end) for all M rows of x, in out's row m at out + m * out_stride: at one row
+// of x four columns at a time (q8_0_dot4 for q8_0 where it exists), then pairs, then one.
+template <int Q, typename T>
+void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out,
+                  int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
+  int64_t n = begin;
+  if (M == 1) {
+#if defined(NANOSERVE_QUANT_ZMM)
+    if constexpr (Q == kQ8_0) {
+      for (float res[4]; n + 4 <= end; n += 4) {
+        q8_0_dot4(w + n * row_bytes, row_bytes, a, K, res);
+        for (int j = 0; j < 4; ++j) from_float(res[j] + (bias != nullptr ? to_float(bias[n + j]) : 0.0f), out + n + j);
+      }
+    } else
+#endif
+    {
+      for (; n + 4 <= end; n += 4) columns<Q, 4>(w, row_bytes, a, bias, out, out_stride, M, K, n);
+    }
+  }
+  for (; n + 2 <= end; n += 2) columns<Q, 2>(w, row_bytes, a, bias, out, out_stride, M, K, n);
+  for (; n < end; ++n) columns<Q, 1>(w, row_bytes, a, bias, out, out_stride, M, K, n);
+}
+
+}  // namespace
+
+#endif

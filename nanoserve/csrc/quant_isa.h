@@ -1,0 +1,102 @@
+// Which path the quantized products take, chosen at compile time from the instruction set flags
+// (-march=native, or the older ISA a test builds for), and the vector types and operations that
+// quant_blocks.h and quant_dot.h are written in, so that each is written once for every path.
+//
+// Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
+// quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that
+// one translation unit, so the compiler inlines and specialises as within a single file.
+//
+// The paths (kIsa, which nanoserve_quant_isa reports):
+//   3  AVX512-VNNI with BW and DQ: 512-bit vectors (IV, FV) of two 32-value chunks, vpdpbusd;
+//      NANOSERVE_QUANT_ZMM is defined (the k-quant groups unpack two chunks at once), and with AMX
+//      (BF16 and TILE, Linux) NANOSERVE_QUANT_AMX too (quant_amx.h).
+//   2  AVX-VNNI, or AVX512-VNNI with VL only: 256-bit vectors of one chunk, vpdpbusd's 256-bit form.
+//   1  plain AVX2: 256-bit vectors, vpmaddubsw + vpmaddwd; kSignTrick (q8_0 takes llama.cpp's sign
+//      form: its u = q + 128 would saturate vpmaddubsw).
+//   0  no AVX2: no vector type here; quant.cpp's scalar products.
+// Invariant: exactly one path per build, and the operations below mean the same on each (dot4:
+// acc + the four-byte sums of u (unsigned) times s (signed), per int32 lane).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "simd.h"
+
+namespace {
+
+using namespace nanoserve;
+
+#if defined(__AVX2__)
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define NANOSERVE_QUANT_ZMM 1  // the k-quant groups unpack two chunks at once (uv, sv)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
+#define NANOSERVE_QUANT_AMX 1  // products of many rows of x in AMX tiles
+#endif
+constexpr int kIsa = 3;
+constexpr bool kSignTrick = false;
+typedef __m512i IV;  // 64 bytes: two chunks
+typedef __m512 FV;   // their 16 lane sums, as fp32
+constexpr int64_t kVecValues = 64;
+inline IV join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+inline FV join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+inline IV dot4(IV acc, IV u, IV s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline IV load_i(const void* p) { return _mm512_loadu_si512(p); }
+inline FV load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline FV fzero() { return _mm512_setzero_ps(); }
+inline FV fma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
+inline FV mul(FV a, FV b) { return _mm512_mul_ps(a, b); }
+inline FV to_fp32(IV a) { return _mm512_cvtepi32_ps(a); }
+inline float reduce(FV a) { return _mm512_reduce_add_ps(a); }
+inline IV sign_mul(IV, IV) { return IV{}; }  // unused: kSignTrick is false
+inline IV abs8(IV a) { return a; }
+#else
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr int kIsa = 2;
+constexpr bool kSignTrick = false;
+#else
+constexpr int kIsa = 1;
+constexpr bool kSignTrick = true;
+#endif
+typedef __m256i IV;  // 32 bytes: one chunk
+typedef __m256 FV;
+constexpr int64_t kVecValues = 32;
+inline IV join(__m256i a, __m256i) { return a; }
+inline FV join(__m256 a, __m256) { return a; }
+inline IV dot4(IV acc, IV u, IV s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+inline IV load_i(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline FV load_f(const float* p) { return _mm256_loadu_ps(p); }
+inline FV fzero() { return _mm256_setzero_ps(); }
+inline FV fma(FV a, FV b, FV c) { return _mm256_fmadd_ps(a, b, c); }
+inline FV mul(FV a, FV b) { return _mm256_mul_ps(a, b); }
+inline FV to_fp32(IV a) { return _mm256_cvtepi32_ps(a); }
+inline float reduce(FV a) {
+  vec8 v;
+  std::memcpy(&v, &a, sizeof v);
+  return hsum(v);
+}
+inline IV sign_mul(IV w, IV x) { return _mm256_sign_epi8(w, x); }  // w * sign(x), lane by lane
+inline IV abs8(IV a) { return _mm256_abs_epi8(a); }
+#endif
+
+#else  // no AVX2
+
+constexpr int kIsa = 0;
+
+#endif
+
+}  // namespace
