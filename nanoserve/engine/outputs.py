@@ -165,7 +165,7 @@ class SequenceStats(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """A record of the engine's insides for a live view (`LLMEngine.stats`), built only while
+    """A record of the engine's insides for a live view (`LiveStats.record`), built only while
     someone watches.
 
     `block_states`: one `kv.BlockState` value per block id. `tree`: the prefix tree's first nodes
