@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -77,7 +78,23 @@ def prepare_chat(info: EngineInfo, body: ChatCompletionRequest) -> tuple[list[in
 _PROMPT_TAIL_TOKENS = 16
 
 
-async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request started in the engine: its output stream, the tokenizer and sampling params it
+    runs with, and how each choice's text is parsed (`output`: reasoning, content, tool calls). The
+    other chat-shaped APIs (Responses, Anthropic Messages) start theirs here and only write their
+    own wire format."""
+
+    stream: OutputStream
+    tok: Tokenizer
+    params: SamplingParams
+    output: ChatOutputFormat
+
+
+async def start_chat(serving: Serving, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
+    """Checks the request, renders and tokenizes it (on a worker thread), builds its constraint
+    (forced tool calls, response format, after a think block) and submits it; raises APIError (a 400
+    before anything runs) for what cannot run."""
     serving.check_request(body, body.model)
     info = serving.running_info()
     tok = serving.tokenizer()
@@ -100,11 +117,15 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
         params = dataclasses.replace(params, structured=after_reasoning(params.structured, tok, in_reasoning))
         await serving.grammars.check(tok, params, param)
     output = ChatOutputFormat(tools, reasoning is not None, in_reasoning, body.parallel_tool_calls is not False)
-    stream = serving.submit([ids], params, body.priority or 0, "chatcmpl")
+    return ChatRun(serving.submit([ids], params, body.priority or 0, id_prefix), tok, params, output)
+
+
+async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
+    run = await start_chat(serving, body)
     if body.stream:
-        events = _events(serving, stream, tok, params.n, body.include_usage, output)
-        return sse.SSEResponse(events, on_close=stream.close, keep_alive_s=serving.keep_alive_s)
-    return await _complete(serving, stream, tok, params.n, request, output)
+        events = _events(serving, run.stream, run.tok, run.params.n, body.include_usage, run.output)
+        return sse.SSEResponse(events, on_close=run.stream.close, keep_alive_s=serving.keep_alive_s)
+    return await _complete(serving, run.stream, run.tok, run.params.n, request, run.output)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
