@@ -30,7 +30,7 @@ from nanoserve.server.protocol.errors import APIError
 from nanoserve.server.serving import GrammarGate
 from nanoserve.tokenizer import Tokenizer
 
-from support.server import SERVED, pace, sse_payloads, wait_idle
+from support.server import SERVED, hold_after_first_output, sse_payloads, wait_idle
 
 NAME = {"type": "string", "maxLength": 8}
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -347,14 +347,17 @@ def test_bad_constraints_are_400_before_any_stream(url: str, body: dict[str, Any
 
 
 def test_abort_mid_stream_frees_the_matcher(url: str, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    pace(engine, monkeypatch)
+    release = hold_after_first_output(engine, monkeypatch)
     body = {"prompt": "x", "max_tokens": 100, "stream": True, "guided_regex": "[a-z ]{90,}", "seed": 1}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                break  # one chunk in: the request runs with its matcher; closing the stream aborts it
-        assert engine.num_live_grammars == 1
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # one chunk in: the request runs with its matcher; closing the stream aborts it
+            assert engine.num_live_grammars == 1
+    finally:
+        release.set()
     # the `url` fixture waits for the engine to be idle and checks that no matcher is left
 
 

@@ -50,6 +50,26 @@ def pace(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.
     monkeypatch.setattr(engine, "step", paced_step)
 
 
+def hold_after_first_output(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Makes the engine wait before each step once a step has produced output, until the returned
+    event is set (at most 60 s a step): whatever the machine's load, a request that has streamed its
+    first output is still running until the test lets the engine go on."""
+    step = engine.step
+    release = threading.Event()
+    produced = False
+
+    def held_step() -> Any:
+        nonlocal produced
+        if produced:
+            release.wait(60)
+        out = step()
+        produced = produced or bool(out.deltas)
+        return out
+
+    monkeypatch.setattr(engine, "step", held_step)
+    return release
+
+
 def wait_idle(app: FastAPI, timeout: float = 20.0) -> None:
     """Waits until the engine holds no request and every KV block is free (or only cached)."""
     engine = app.state.engine
