@@ -175,6 +175,11 @@ class GrammarCompiler:
         proto = llguidance.LLMatcher(self._llg_tokenizer(), source, log_level=0)
         if proto.is_error():
             raise ValueError(f"the {kind} constraint does not compile: {proto.get_error()}")
+        first = proto.deep_copy()
+        first.compute_bitmask()  # a grammar that cannot begin (a schema that is only a reference to
+        if first.is_error():  # itself) fails here, not after a request has run with it
+            raise ValueError(f"the {kind} constraint does not compile: it admits no output "
+                             f"({first.get_error().splitlines()[0]})")
         with self._lock:
             self._compiled[source] = proto
             if len(self._compiled) > self.cache_size:

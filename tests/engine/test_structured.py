@@ -165,11 +165,22 @@ def test_abort_frees_the_matchers(llm: LLM) -> None:
     ({"json": {"type": "object", "properties": {"a": {"type": "strng"}}}}, "json"),
     ({"regex": "(unclosed"}, "regex"),
     ({"grammar": "start: undefined_rule"}, "grammar"),
+    ({"json": {"$ref": "#"}}, "json"),  # refers to itself and to nothing else: no value satisfies it
+    ({"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, "json"),
 ])
 def test_bad_constraints_do_not_compile(llm: LLM, spec: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=f"the {message} constraint does not compile"):
         llm.generate("a", SamplingParams(structured=StructuredOutputs(**spec)))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"child": {"$ref": "#"}}},  # {} ends the recursion
+    {"type": "array", "items": {"$ref": "#"}},  # so does []
+])
+def test_recursive_schemas_that_admit_a_value_compile(llm: LLM, schema: dict[str, Any]) -> None:
+    assert llm.engine.grammars is not None
+    llm.engine.grammars.compile(StructuredOutputs(json=schema))
 
 
 @pytest.mark.parametrize("fields", [{}, {"json": {}, "regex": "a"}, {"choice": []}, {"json": "[1"}])
@@ -337,6 +348,7 @@ def test_completion_guided_fields(client: openai.OpenAI, field: str, value: Any,
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
     ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
+    ({"guided_json": {"$ref": "#"}}, "guided_json"),
 ])
 def test_bad_constraints_are_400_before_any_stream(url: str, body: dict[str, Any], param: str) -> None:
     for path, base in (("chat/completions", {"messages": MESSAGES}), ("completions", {"prompt": "x"})):
