@@ -19,12 +19,14 @@ from nanoserve.parallel.worker import run_node_workers
 from nanoserve.runtime.builder import build_engine
 from nanoserve.runtime.engine_core import EngineState
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
+from nanoserve.server.app import DEFAULT_PROMPT_WORKERS
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import PARSER_NAMES, TOOL_PARSERS
 from nanoserve.server.http_server import serve_until_signal
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.supervisor.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
 from nanoserve.supervisor.router import ROUTER_POLICIES, require_router
+from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "default: none (no CORS headers)")
     p.add_argument("--sse-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
                    help="send a `: keep-alive` comment on a stream silent for this long (0: never)")
+    p.add_argument("--prompt-workers", type=int, default=DEFAULT_PROMPT_WORKERS, metavar="N",
+                   help="worker processes that render chat templates (half as many, at least one, tokenize plain "
+                        f"prompts), so neither holds the server's interpreter lock (default: {DEFAULT_PROMPT_WORKERS})")
+    p.add_argument("--prompt-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="a request's template rendering or tokenizing is stopped after this long, a 400 "
+                        f"(default: {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine in a process of its own (default: the HTTP side and the engine then do not "
                         "share one interpreter lock) or on a thread of the server process")
@@ -84,7 +92,8 @@ def run(ns: argparse.Namespace) -> int:
         engine = functools.partial(build_engine, args)
     config = ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser, ns.stream_interval,
                           reasoning_parser=ns.reasoning_parser, allowed_origins=tuple(ns.allowed_origins),
-                          sse_keep_alive_s=ns.sse_keep_alive or None)
+                          sse_keep_alive_s=ns.sse_keep_alive or None, prompt_workers=ns.prompt_workers,
+                          prompt_timeout_s=ns.prompt_timeout)
     app = build_app(engine, config, on_load_failure=shut_down)
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port,
                                            timeout_graceful_shutdown=ns.shutdown_timeout,

@@ -13,7 +13,6 @@ types, OpenAI-shaped 400s); `/openapi.json` still documents each body, by its py
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -43,14 +42,16 @@ from nanoserve.server.protocol.openai import (
     TokenizeRequest,
 )
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
-from nanoserve.server.serving import Serving, now_s
+from nanoserve.server.serving import PromptGate, Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
+from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S, PromptLimits
 
 DEMO_MODEL_NAME = "nanoserve-demo"
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_PROMPT_WORKERS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,9 @@ class ServerConfig:
     """`served_model_name` defaults to the engine's model argument (DEMO_MODEL_NAME for the demo
     model); `api_key`, when set, guards /v1/*, /tokenize, /detokenize and /dashboard/stats. `allowed_origins`:
     the origins browsers may call from (CORS; empty: no CORS headers, "*": any).
-    `sse_keep_alive_s`: a silent stream's keep-alive comment interval (None: never)."""
+    `sse_keep_alive_s`: a silent stream's keep-alive comment interval (None: never).
+    `prompt_workers`, `prompt_timeout_s`: the processes that render chat templates and tokenize, and
+    how long one request's text may take there (see `serving.PromptGate`)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -68,8 +71,12 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # a name of REASONING_PARSERS: auto, a format, or none
     allowed_origins: tuple[str, ...] = ()
     sse_keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
+    prompt_workers: int = DEFAULT_PROMPT_WORKERS
+    prompt_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if self.prompt_workers < 1 or self.prompt_timeout_s <= 0:
+            raise ValueError("prompt workers must be at least one and their timeout positive")
         if self.sse_keep_alive_s is not None and self.sse_keep_alive_s <= 0:
             raise ValueError("the SSE keep-alive interval must be positive (None: no keep-alive)")
         TOOL_PARSERS.check(self.tool_call_parser)
@@ -93,7 +100,8 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     metrics = Metrics()
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
                                stream_interval=config.stream_interval, on_load_failure=on_load_failure)
-    serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser,
+    prompts = PromptGate(config.prompt_workers, PromptLimits(timeout_s=config.prompt_timeout_s))
+    serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser, prompts=prompts,
                       keep_alive_s=config.sse_keep_alive_s)
 
     @asynccontextmanager
@@ -102,6 +110,7 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
         try:
             yield
         finally:
+            serving.prompts.close()
             await async_engine.stop()
 
     app = FastAPI(title="nanoserve", lifespan=lifespan)
@@ -206,14 +215,11 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            messages = [m.to_template() for m in body.messages]
-            try:
-                ids = await asyncio.to_thread(tok.encode_chat, messages,
-                                              add_generation_prompt=body.add_generation_prompt is not False)
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from e
+            ids = await serving.prompts.encode_chat(tok, info.limits, [m.to_template() for m in body.messages],
+                                                    add_generation_prompt=body.add_generation_prompt is not False)
         else:
-            ids = await asyncio.to_thread(tok.encode, body.prompt or "", body.add_special_tokens is not False)
+            ids = await serving.prompts.encode(tok, info.limits, body.prompt or "", "prompt",
+                                               body.add_special_tokens is not False)
         return JSONResponse({"count": len(ids), "max_model_len": info.limits.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")

@@ -33,6 +33,7 @@ from nanoserve.server.chat.tool_parsers.calls import ToolCallParser
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS, parser_factory
 from nanoserve.server.protocol.errors import APIError
 from nanoserve.tokenizer import Tokenizer
+from nanoserve.tokenizer.prompt_pool import PromptLimits, PromptPool
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,76 @@ class GrammarGate:
             raise APIError(400, str(e), param=param) from e
 
 
+@dataclass(slots=True)
+class PromptGate:
+    """Renders chat templates and tokenizes prompts in worker processes (`PromptPool`s: one for chat
+    templates, one for plain text, so one kind of work cannot starve the other), never on the
+    event loop's interpreter lock, each call under the pools' deadline and memory limit. Before any
+    of that, a text longer than the longest one that could fit the context (`max_prompt_chars`) is
+    a 400. The pools start on first use and end with `close`."""
+
+    workers: int = 2
+    limits: PromptLimits = field(default_factory=PromptLimits)
+    _templates: PromptPool | None = None
+    _text: PromptPool | None = None
+
+    async def encode_chat(self, tok: Tokenizer, limits: EngineLimits, messages: list[dict[str, Any]],
+                          **kwargs: Any) -> list[int]:
+        """The rendered chat's ids; a 400 naming `messages` for a template that fails or passes its
+        bounds (output size, time, memory), or a conversation too long to fit."""
+        bound = max_prompt_chars(tok, limits)
+        _check_chars(_text_chars(messages), bound, "messages")
+        if self._templates is None:
+            self._templates = await asyncio.to_thread(PromptPool, tok, self.workers, self.limits, "nanoserve-template")
+        try:
+            ids: list[int] = await self._templates.call("encode_chat", messages, output_limit=bound, **kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return ids
+
+    async def encode(self, tok: Tokenizer, limits: EngineLimits, text: str, param: str,
+                     add_special_tokens: bool = True) -> list[int]:
+        """`text`'s ids; a 400 naming `param` for a text too long to fit, or one that passes the
+        pool's bounds."""
+        _check_chars(len(text), max_prompt_chars(tok, limits), param)
+        if self._text is None:
+            self._text = await asyncio.to_thread(PromptPool, tok, max(1, self.workers // 2), self.limits,
+                                                 "nanoserve-tokenize")
+        try:
+            ids: list[int] = await self._text.call("encode", text, add_special_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
+        return ids
+
+    def close(self) -> None:
+        for pool in (self._templates, self._text):
+            if pool is not None:
+                pool.close()
+
+
+def max_prompt_chars(tok: Tokenizer, limits: EngineLimits) -> int:
+    """Characters past which a text cannot fit the context: no token covers more than the longest
+    vocabulary entry's characters (doubled for normalizers that drop characters)."""
+    return 2 * limits.max_model_len * tok.max_token_chars
+
+
+def _check_chars(chars: int, bound: int, param: str) -> None:
+    if chars > bound:
+        raise APIError(400, f"the prompt is {chars} characters long, more than could fit the context "
+                       f"({bound} characters at most)", param=param)
+
+
+def _text_chars(value: Any) -> int:
+    """Characters in the strings of a JSON-like value."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
 @dataclass(frozen=True, slots=True)
 class Serving:
     """The served engine and the name clients must use for it."""
@@ -76,6 +147,7 @@ class Serving:
     tool_call_parser: str = "auto"  # a name of TOOL_PARSERS (nanoserve.server.chat.tool_parsers.registry)
     reasoning_parser: str = "auto"  # a name of REASONING_PARSERS (nanoserve.server.chat.reasoning_parsers)
     grammars: GrammarGate = field(default_factory=GrammarGate)
+    prompts: PromptGate = field(default_factory=PromptGate)
     keep_alive_s: float | None = None  # a silent stream's keep-alive comment interval (see sse)
 
     def tool_parser(self, tok: Tokenizer) -> type[ToolCallParser]:

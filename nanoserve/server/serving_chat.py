@@ -19,7 +19,6 @@ choice returns its first call only (forced calls: the grammar allows one). See `
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -53,18 +52,17 @@ from nanoserve.server.serving import (
 from nanoserve.tokenizer import Tokenizer
 
 
-def prepare_chat(info: EngineInfo, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-    """Prompt ids and sampling params; max_tokens defaults to the rest of the context (or of the
-    KV pool, if smaller). Blocking (template + tokenizer), so handlers run it in a worker thread."""
+async def prepare_chat(serving: Serving, info: EngineInfo,
+                       body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    """Prompt ids (the template rendered and tokenized in the prompt workers) and sampling params;
+    max_tokens defaults to the rest of the context (or of the KV pool, if smaller)."""
     tok = info.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer")
     messages = [m.to_template() for m in body.messages]
-    try:
-        ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
-                              tools=body.template_tools(), **body.template_kwargs())
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from e
+    ids = await serving.prompts.encode_chat(tok, info.limits, messages,
+                                            add_generation_prompt=body.add_generation_prompt is not False,
+                                            tools=body.template_tools(), **body.template_kwargs())
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
         max_tokens = max(info.limits.max_tokens_in_pool - len(ids), 1)
@@ -100,7 +98,7 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, id_prefix: s
     tok = serving.tokenizer()
     tools = serving.tool_parser(tok) if body.template_tools() is not None else None
     reasoning = serving.reasoning_format(tok)
-    ids, params = await asyncio.to_thread(prepare_chat, info, body)
+    ids, params = await prepare_chat(serving, info, body)
     if tools is not None and tools.needs_special_tokens and body.skip_special_tokens is None:
         params.skip_special_tokens = False  # the format's markers are special tokens
     if (forced := body.forced_tools()) is not None:

@@ -12,7 +12,6 @@ string) to `{logprob, rank, decoded_token}` holding that token and the k most li
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -44,10 +43,11 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 _Entry = tuple[str, float, dict[str, float]]  # token text, its logprob, the top tokens' logprobs
 
 
-def prepare_completion(info: EngineInfo, tok: Tokenizer,
-                       body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
-    """Prompt ids and sampling params. Blocking (tokenizer), so handlers run it in a worker thread."""
-    ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+async def prepare_completion(serving: Serving, info: EngineInfo, tok: Tokenizer,
+                             body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+    """Prompt ids (text tokenized in the prompt workers) and sampling params."""
+    ids = [await serving.prompts.encode(tok, info.limits, p, "prompt") if isinstance(p, str) else list(p)
+           for p in body.prompts()]
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = body.sampling_params(max_tokens, body.logprobs, info.sampling_defaults)
     if params.prompt_logprobs is not None and body.stream:
@@ -62,7 +62,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
     serving.check_request(body, body.model)
     info = serving.running_info()
     tok = serving.tokenizer()
-    ids, params = await asyncio.to_thread(prepare_completion, info, tok, body)
+    ids, params = await prepare_completion(serving, info, tok, body)
     constraint = body.structured()
     await serving.grammars.check(tok, params, None if constraint is None else constraint[0])
     echo = [p if isinstance(p, str) else tok.decode(p) for p in body.prompts()] if body.echo else None

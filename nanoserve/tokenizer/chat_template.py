@@ -6,6 +6,12 @@ namespaces refuse underscore names, and everything they see is first rebuilt fro
 types. Every failure (syntax, runtime, `raise_exception`, sandbox violation) leaves this module as
 a `ChatTemplateError`, a `ValueError`, so a server can answer it as a bad request.
 
+Bounds: a template may not build a string, list or integer over `MAX_BUILT_SIZE` with `*`, `**` or
+the padding methods of strings (`ljust`, `center`, ...), may not print anything but data (a
+function's or an object's repr, with its memory address, is refused), and its output stops at the
+caller's `output_limit`. Time and memory are the caller's to bound (a server renders in a worker
+process with a deadline and a memory limit: `prompt_pool`).
+
 The rendering environment matches `transformers.apply_chat_template(..., tokenize=False)`:
 `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `{% generation %}` tag that
 renders its body unchanged, the `raise_exception` and `strftime_now` globals, and a `tojson`
@@ -15,7 +21,7 @@ filter that does not escape HTML or non-ASCII text.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -23,12 +29,17 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Names a message's reasoning text may arrive under; templates read the first (Qwen3) or `thinking`.
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+# The largest string or list (in items) or integer (in bits) a template may build in one operation:
+# far beyond any real prompt's pieces, far below what would stall the process that renders it.
+MAX_BUILT_SIZE = 1 << 20
+_PADDING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
 
 
 class ChatTemplateError(ValueError):
@@ -50,6 +61,7 @@ def render_chat_template(
     tools: list[dict] | None = None,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    output_limit: int | None = None,
     **kwargs: Any,
 ) -> str:
     """Render `messages` (OpenAI-style dicts) with the Jinja chat `template`.
@@ -58,7 +70,8 @@ def render_chat_template(
     missing key better than a literal None), a message's reasoning is exposed as both
     `reasoning_content` and `thinking`, `bos_token` / `eos_token` are defined only when given, and
     extra `kwargs` (e.g. `enable_thinking`, `documents`) become template variables.
-    Raises `ChatTemplateError` (or `ChatTemplateSecurityError`) on any template failure.
+    Raises `ChatTemplateError` (or `ChatTemplateSecurityError`) on any template failure, and when
+    the output would pass `output_limit` characters (rendering stops there).
     """
     compiled = _compile(template)
     variables: dict[str, Any] = {"documents": None, **kwargs}
@@ -71,22 +84,82 @@ def render_chat_template(
     variables["tools"] = _plain(tools)
     variables["add_generation_prompt"] = add_generation_prompt
     try:
-        return compiled.render(**variables)
+        return _joined(compiled.generate(**variables), output_limit)
     except ChatTemplateError:
         raise
     except SecurityError as exc:
         raise ChatTemplateSecurityError(f"chat template rejected by the sandbox: {exc}") from exc
+    except MemoryError as exc:
+        raise ChatTemplateError("the chat template ran out of the memory it may use") from exc
     except Exception as exc:  # untrusted template code: any failure is the template's
         raise ChatTemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
+
+
+def _joined(pieces: Iterator[str], limit: int | None) -> str:
+    out: list[str] = []
+    size = 0
+    for piece in pieces:
+        size += len(piece)
+        if limit is not None and size > limit:
+            raise ChatTemplateError(f"the chat template's output passed the limit of {limit} characters")
+        out.append(piece)
+    return "".join(out)
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` and the padding methods of strings checked before they run
+    (Jinja's sandbox lets them build values of any size), and only data printed."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            _check_product(left, right)
+        elif isinstance(left, int) and isinstance(right, int) and right * abs(left).bit_length() > MAX_BUILT_SIZE:
+            raise SecurityError(f"the chat template raised an integer to a power over {MAX_BUILT_SIZE} bits")
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(__obj, "__name__", None) in _PADDING_METHODS and isinstance(getattr(__obj, "__self__", None), str):
+            width = args[0] if args else kwargs.get("width", kwargs.get("tabsize", 0))
+            if isinstance(width, int) and width > MAX_BUILT_SIZE:
+                raise SecurityError(f"the chat template padded a string past {MAX_BUILT_SIZE} characters")
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _check_product(left: Any, right: Any) -> None:
+    for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_BUILT_SIZE:
+            raise SecurityError(f"the chat template built a value of more than {MAX_BUILT_SIZE} items with *")
+    if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_BUILT_SIZE:
+        raise SecurityError(f"the chat template built an integer of more than {MAX_BUILT_SIZE} bits with *")
+
+
+def _printable(value: Any) -> Any:
+    """What `{{ ... }}` may print: data (text, numbers, containers of data, undefined); never the
+    repr of a function, module or other object (with its memory address)."""
+    if isinstance(value, (str, int, float, type(None), jinja2.Undefined)):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _printable(item)
+        return value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _printable(key)
+            _printable(item)
+        return value
+    raise SecurityError(f"the chat template tried to print a {type(value).__name__}, which is not data")
 
 
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
     """Compile `template` in a fresh sandboxed environment (memoised per template string)."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+        finalize=_printable,
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

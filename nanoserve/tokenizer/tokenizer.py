@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,6 +81,12 @@ class Tokenizer:
             tool_chat_template=templates.get("tool_use"),
         )
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's vocabulary entry spells (byte-level entries spell one
+        character a byte, so no token decodes to more)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the backend's post-processor runs and,
         if `add_bos_token` is set, BOS is prepended unless the result already starts with it."""
@@ -99,9 +106,11 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        output_limit: int | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` to a prompt string with the checkpoint's chat template.
+        """Render `messages` to a prompt string with the checkpoint's chat template (at most
+        `output_limit` characters).
 
         Raises ValueError when the model has no chat template or the template fails.
         """
@@ -119,6 +128,7 @@ class Tokenizer:
             tools=tools,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
+            output_limit=output_limit,
             **kwargs,
         )
 
@@ -128,12 +138,13 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        output_limit: int | None = None,
         **kwargs: Any,
     ) -> list[int]:
         """Token ids of the rendered chat; the template places any BOS itself, so no special
         tokens are added (as `transformers`' `apply_chat_template(tokenize=True)` does)."""
         text = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, output_limit=output_limit, **kwargs
         )
         return self.encode(text, add_special_tokens=False)
 

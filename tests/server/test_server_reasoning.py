@@ -169,7 +169,8 @@ def test_tool_call_after_reasoning(tool_server: tuple[str, FastAPI]) -> None:
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == CALL["arguments"]
     reasoning, content, calls, finish = streamed(tool_server[0], {"tools": TOOLS, "temperature": 0.0})
     assert (reasoning, content, finish) == (REASONING, "", "tool_calls")
-    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and len(calls) == 3
+    # the name first, then the arguments in their two steps' chunks (merged into one for a slow reader)
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and len(calls) in (2, 3)
     assert "".join(c["function"]["arguments"] for c in calls) == call.function.arguments
     without_tools = client_of(tool_server).chat.completions.create(model=SERVED, messages=MESSAGES, temperature=0.0)  # type: ignore[arg-type]
     assert without_tools.choices[0].message.content == f"<tool_call>{''.join(CALL_PIECES)}</tool_call>"

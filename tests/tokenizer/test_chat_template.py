@@ -320,6 +320,39 @@ def test_unsafe_attributes_render_as_nothing() -> None:
     assert render_chat_template("[{{ ''.__class__ }}][{{ raise_exception.__globals__ }}]", []) == "[][]"
 
 
+@pytest.mark.parametrize(
+    ("template", "match"),
+    [
+        ("{{ 'x' * 10**7 }}", "more than 1048576 items"),
+        ("{{ 10**7 * ['x'] }}", "more than 1048576 items"),
+        ("{{ 3 ** (10**8) }}", "a power over 1048576 bits"),
+        ("{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}{% endfor %}", "bits with"),
+        ("{{ 'x'.ljust(10**9) }}", "padded a string"),
+        ("{{ 'x'.center(width=10**9) }}", "padded a string"),
+        ("{{ raise_exception }}", "print a function"),
+        ("{{ [strftime_now] }}", "print a function"),
+        ("{{ namespace }}", "print a type"),
+    ],
+)
+def test_unbounded_values_and_object_reprs_are_refused(template: str, match: str) -> None:
+    with pytest.raises(ChatTemplateSecurityError, match=match):
+        render_chat_template(template, [{"role": "user", "content": "hi"}])
+
+
+def test_bounded_arithmetic_still_renders() -> None:
+    template = "{{ 2 ** 64 }} {{ 'ab' * 3 }} {{ [0] * 2 }} {{ 'x'.ljust(3) }}|{{ messages[0] }}"
+    assert render_chat_template(template, [{"role": "user", "content": "hi"}]) == (
+        "18446744073709551616 ababab [0, 0] x  |{'role': 'user', 'content': 'hi'}")
+
+
+def test_output_stops_at_its_limit() -> None:
+    template = "{% for i in range(1000) %}{{ messages[0].content }}{% endfor %}"
+    messages = [{"role": "user", "content": "0123456789"}]
+    assert len(render_chat_template(template, messages, output_limit=10_000)) == 10_000
+    with pytest.raises(ChatTemplateError, match="passed the limit of 9999 characters"):
+        render_chat_template(template, messages, output_limit=9_999)
+
+
 def test_caller_objects_are_not_reachable() -> None:
     calls: list[str] = []
 
