@@ -30,6 +30,7 @@ from nanoserve.runtime.async_engine import (
 from nanoserve.runtime.engine_core import EngineInfo, EngineState
 from nanoserve.server.chat.reasoning_parsers import reasoning_parser_name
 from nanoserve.server.chat.tool_parsers.calls import ToolCallParser
+from nanoserve.server.chat.tool_parsers.json_list import JsonListParser
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS, parser_factory
 from nanoserve.server.protocol.errors import APIError
 from nanoserve.tokenizer import Tokenizer
@@ -78,10 +79,13 @@ class Serving:
     grammars: GrammarGate = field(default_factory=GrammarGate)
     keep_alive_s: float | None = None  # a silent stream's keep-alive comment interval (see sse)
 
-    def tool_parser(self, tok: Tokenizer) -> type[ToolCallParser]:
-        """The parser of tool calls in this model's output, or a 400 when there is none: the chat
-        template shows no format nanoserve knows and no `--tool-call-parser` names one."""
+    def tool_parser(self, tok: Tokenizer, forced: bool = False) -> type[ToolCallParser]:
+        """The parser of tool calls in this model's output. When the chat template shows no format
+        nanoserve knows and no `--tool-call-parser` names one: `JsonListParser` for `forced` calls
+        (the grammar writes them as a JSON array), else a 400."""
         parser = parser_factory(self.tool_call_parser, tok.tool_chat_template or tok.chat_template)
+        if parser is None and forced:
+            return JsonListParser
         if parser is None:
             raise APIError(400, "this model's chat template shows no tool-call format nanoserve can parse; start the "
                            f"server with --tool-call-parser {TOOL_PARSERS.alternatives()}", param="tools")
