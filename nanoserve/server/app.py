@@ -68,6 +68,7 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # a name of REASONING_PARSERS: auto, a format, or none
     allowed_origins: tuple[str, ...] = ()
     sse_keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
+    ignore_unknown_fields: bool = False  # log and drop request fields no API defines (else a 400)
 
     def __post_init__(self) -> None:
         if self.sse_keep_alive_s is not None and self.sse_keep_alive_s <= 0:
@@ -90,11 +91,11 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
         loader, name = engine, config.served_model_name or engine.model or DEMO_MODEL_NAME
     else:
         loader, name = engine, config.served_model_name or DEMO_MODEL_NAME
-    metrics = Metrics()
+    metrics = Metrics(name)
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
                                stream_interval=config.stream_interval, on_load_failure=on_load_failure)
     serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser,
-                      keep_alive_s=config.sse_keep_alive_s)
+                      keep_alive_s=config.sse_keep_alive_s, ignore_unknown_fields=config.ignore_unknown_fields)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
