@@ -205,15 +205,6 @@ class _SamplingRequest(BaseModel):
     # `metadata` (tags for stored completions) has nothing to tag.
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    # Documented no-ops: none of them can change the output. `user` and `safety_identifier` name
-    # the end user for abuse monitoring; `service_tier` picks a billing tier; the prompt cache
-    # fields steer OpenAI's cache, where nanoserve's prefix cache is always on (sglang-router reads
-    # `prompt_cache_key` as a routing hint).
-    safety_identifier: str | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    prompt_cache_options: dict[str, str] | None = None
     # SGLang's extras, which sglang-router (see `nanoserve serve --data-parallel-size`) writes into
     # every request it forwards: accepted at the values in ROUTER_DEFAULTS only, which are what
     # nanoserve does anyway; any other value is a 400 naming the field.
@@ -294,6 +285,15 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool | None = None
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
+    # Documented no-ops of the chat API: none of them can change the output. `safety_identifier`
+    # (like `user`) names the end user for abuse monitoring; `service_tier` picks a billing tier;
+    # the prompt cache fields steer OpenAI's cache, where nanoserve's prefix cache is always on
+    # (sglang-router reads `prompt_cache_key` as a routing hint).
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, str] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     modalities: list[Literal["text", "audio"]] | None = None
