@@ -25,7 +25,7 @@ from nanoserve.engine.sampler import Sampler, SamplingBatch
 from nanoserve.model import load_model
 
 from support.forward import full_logits
-from support.server import ENGINE_ARGS, SERVED, metric_value, serve, sse_payloads, wait_idle
+from support.server import ENGINE_ARGS, SERVED, make_engine, metric_value, serve, sse_payloads, wait_idle
 
 V = 50
 
@@ -361,3 +361,31 @@ def test_metrics_carry_the_model_name(url: str) -> None:
 def test_favicon_is_no_content(url: str) -> None:
     r = httpx.get(f"{url}/favicon.ico")
     assert r.status_code == 204 and not r.content
+
+
+def test_effort_fields_reach_a_template_that_reads_them(demo_dir: Path, tmp_path: Path) -> None:
+    """A template with its own `reasoning_effort` and `verbosity` variables (gpt-oss's shape)
+    renders them: the prompt grows by the words they add, and by nothing without them."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(demo_dir, ckpt)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{%- if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+        "{%- if verbosity is defined %}Verbosity: {{ verbosity }}\n{% endif %}"
+        "{%- for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    with serve(make_engine(ckpt)) as (url, app):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        tok = app.state.engine.info.tokenizer
+
+        def prompt_tokens(**fields: Any) -> int:
+            r = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=1, **fields)
+            assert r.usage is not None
+            return r.usage.prompt_tokens
+
+        plain = prompt_tokens()
+        assert plain == len(tok.encode("user: Hi\nassistant:"))
+        assert prompt_tokens(reasoning_effort="high", verbosity="low") == len(
+            tok.encode("Reasoning: high\nVerbosity: low\nuser: Hi\nassistant:"))
+        wait_idle(app)

@@ -288,7 +288,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # Documented no-ops of the chat API: none of them can change the output. `safety_identifier`
     # (like `user`) names the end user for abuse monitoring; `service_tier` picks a billing tier;
     # the prompt cache fields steer OpenAI's cache, where nanoserve's prefix cache is always on
-    # (sglang-router reads `prompt_cache_key` as a routing hint).
+    # (and the cache-aware router in front of replicas routes by the prompt's own prefix).
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     prompt_cache_key: str | None = None
