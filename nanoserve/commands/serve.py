@@ -62,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="a request's template rendering or tokenizing is stopped after this long, a 400 "
                         f"(default: {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="log and drop request fields that no OpenAI, vLLM or SGLang API defines (default: a 400 "
+                        "naming them); fields those APIs define that nanoserve cannot honour stay a 400")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine in a process of its own (default: the HTTP side and the engine then do not "
                         "share one interpreter lock) or on a thread of the server process")
@@ -93,7 +96,7 @@ def run(ns: argparse.Namespace) -> int:
     config = ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser, ns.stream_interval,
                           reasoning_parser=ns.reasoning_parser, allowed_origins=tuple(ns.allowed_origins),
                           sse_keep_alive_s=ns.sse_keep_alive or None, prompt_workers=ns.prompt_workers,
-                          prompt_timeout_s=ns.prompt_timeout)
+                          prompt_timeout_s=ns.prompt_timeout, ignore_unknown_fields=ns.ignore_unknown_fields)
     app = build_app(engine, config, on_load_failure=shut_down)
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port,
                                            timeout_graceful_shutdown=ns.shutdown_timeout,

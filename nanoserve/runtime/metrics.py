@@ -28,40 +28,50 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 
 class Metrics:
     """Invariant: counters mirror the engine's own monotonic counters (prompt and generated tokens,
-    prefix-cache queries and hits) as of the latest `update_engine`."""
+    prefix-cache queries and hits) as of the latest `update_engine`. Every series carries the
+    served model's name as its `model_name` label (vLLM's convention), so the series of several
+    servers can share one Prometheus."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("nanoserve:num_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("nanoserve:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        m = self.model_name = model_name
+        label = ["model_name"]
+        self.running = Gauge("nanoserve:num_requests_running", "Requests in the running batch", label,
+                             registry=r).labels(m)
+        self.waiting = Gauge("nanoserve:num_requests_waiting", "Requests waiting to be scheduled", label,
+                             registry=r).labels(m)
         self.kv_usage = Gauge("nanoserve:kv_cache_usage_perc",
-                              "Fraction of KV cache blocks used by live sequences (1 = full)", registry=r)
+                              "Fraction of KV cache blocks used by live sequences (1 = full)", label,
+                              registry=r).labels(m)
         self.prefix_queries = Counter("nanoserve:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache", registry=r)
+                                      "Prompt tokens looked up in the prefix cache", label, registry=r).labels(m)
         self.prefix_hits = Counter("nanoserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                   registry=r)
-        self.prompt_tokens = Counter("nanoserve:prompt_tokens", "Prompt tokens received", registry=r)
-        self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", registry=r)
+                                   label, registry=r).labels(m)
+        self.prompt_tokens = Counter("nanoserve:prompt_tokens", "Prompt tokens received", label,
+                                     registry=r).labels(m)
+        self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", label,
+                                         registry=r).labels(m)
         self.finished = Counter("nanoserve:request_finished", "Finished requests by finish reason "
-                                "(stop, length, abort, error)", ["finished_reason"], registry=r)
+                                "(stop, length, abort, error)", ["model_name", "finished_reason"], registry=r)
         self.ttft = Histogram("nanoserve:time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              label, buckets=_LATENCY_BUCKETS, registry=r).labels(m)
         self.itl = Histogram("nanoserve:inter_token_latency_seconds", "Time between a request's outputs",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             label, buckets=_LATENCY_BUCKETS, registry=r).labels(m)
         self.e2e = Histogram("nanoserve:e2e_request_latency_seconds", "Time from arrival to the last token",
-                             buckets=_REQUEST_BUCKETS, registry=r)
+                             label, buckets=_REQUEST_BUCKETS, registry=r).labels(m)
         self.queue_time = Histogram("nanoserve:request_queue_time_seconds", "Time from arrival to scheduling",
-                                    buckets=_REQUEST_BUCKETS, registry=r)
+                                    label, buckets=_REQUEST_BUCKETS, registry=r).labels(m)
         self.spec_proposed = Counter("nanoserve:spec_decode_num_draft_tokens",
-                                     "Draft tokens proposed for verification", registry=r)
+                                     "Draft tokens proposed for verification", label, registry=r).labels(m)
         self.spec_accepted = Counter("nanoserve:spec_decode_num_accepted_tokens",
-                                     "Draft tokens the target accepted", registry=r)
+                                     "Draft tokens the target accepted", label, registry=r).labels(m)
         self.spec_verifications = Counter("nanoserve:spec_decode_num_verifications",
-                                          "Sequence steps that verified drafts", registry=r)
+                                          "Sequence steps that verified drafts", label, registry=r).labels(m)
         self.spec_acceptance = Gauge("nanoserve:spec_decode_acceptance_rate",
-                                     "Accepted / proposed draft tokens since start", registry=r)
+                                     "Accepted / proposed draft tokens since start", label, registry=r).labels(m)
         self.spec_mean_length = Gauge("nanoserve:spec_decode_mean_accepted_length",
-                                      "Tokens per verification (accepted drafts + 1) since start", registry=r)
+                                      "Tokens per verification (accepted drafts + 1) since start", label,
+                                      registry=r).labels(m)
         self._mirrored = (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
                           self.spec_proposed, self.spec_accepted, self.spec_verifications)
         self._last = (0,) * len(self._mirrored)
@@ -82,7 +92,7 @@ class Metrics:
         self._last = now
 
     def record_finished(self, reason: str, e2e_s: float | None) -> None:
-        self.finished.labels(reason).inc()
+        self.finished.labels(self.model_name, reason).inc()
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
 

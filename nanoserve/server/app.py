@@ -73,6 +73,7 @@ class ServerConfig:
     sse_keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
     prompt_workers: int = DEFAULT_PROMPT_WORKERS
     prompt_timeout_s: float = DEFAULT_TIMEOUT_S
+    ignore_unknown_fields: bool = False  # log and drop request fields no API defines (else a 400)
 
     def __post_init__(self) -> None:
         if self.prompt_workers < 1 or self.prompt_timeout_s <= 0:
@@ -97,12 +98,12 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
         loader, name = engine, config.served_model_name or engine.model or DEMO_MODEL_NAME
     else:
         loader, name = engine, config.served_model_name or DEMO_MODEL_NAME
-    metrics = Metrics()
+    metrics = Metrics(name)
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
                                stream_interval=config.stream_interval, on_load_failure=on_load_failure)
     prompts = PromptGate(config.prompt_workers, PromptLimits(timeout_s=config.prompt_timeout_s))
     serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser, prompts=prompts,
-                      keep_alive_s=config.sse_keep_alive_s)
+                      keep_alive_s=config.sse_keep_alive_s, ignore_unknown_fields=config.ignore_unknown_fields)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

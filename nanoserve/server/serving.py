@@ -30,8 +30,10 @@ from nanoserve.runtime.async_engine import (
 from nanoserve.runtime.engine_core import EngineInfo, EngineState
 from nanoserve.server.chat.reasoning_parsers import reasoning_parser_name
 from nanoserve.server.chat.tool_parsers.calls import ToolCallParser
+from nanoserve.server.chat.tool_parsers.json_list import JsonListParser
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS, parser_factory
 from nanoserve.server.protocol.errors import APIError
+from nanoserve.server.protocol.openai import REFUSED_FIELDS
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.tokenizer.prompt_pool import PromptLimits, PromptPool
 
@@ -149,11 +151,15 @@ class Serving:
     grammars: GrammarGate = field(default_factory=GrammarGate)
     prompts: PromptGate = field(default_factory=PromptGate)
     keep_alive_s: float | None = None  # a silent stream's keep-alive comment interval (see sse)
+    ignore_unknown_fields: bool = False  # drop (and log) request fields no API defines, rather than a 400
 
-    def tool_parser(self, tok: Tokenizer) -> type[ToolCallParser]:
-        """The parser of tool calls in this model's output, or a 400 when there is none: the chat
-        template shows no format nanoserve knows and no `--tool-call-parser` names one."""
+    def tool_parser(self, tok: Tokenizer, forced: bool = False) -> type[ToolCallParser]:
+        """The parser of tool calls in this model's output. When the chat template shows no format
+        nanoserve knows and no `--tool-call-parser` names one: `JsonListParser` for `forced` calls
+        (the grammar writes them as a JSON array), else a 400."""
         parser = parser_factory(self.tool_call_parser, tok.tool_chat_template or tok.chat_template)
+        if parser is None and forced:
+            return JsonListParser
         if parser is None:
             raise APIError(400, "this model's chat template shows no tool-call format nanoserve can parse; start the "
                            f"server with --tool-call-parser {TOOL_PARSERS.alternatives()}", param="tools")
@@ -178,12 +184,23 @@ class Serving:
 
     def check_request(self, body: BaseModel, model: str | None) -> None:
         """404 for a model other than the served one (as OpenAI and vLLM answer); 400 naming the
-        first field nanoserve does not implement (a field sent as null is unset, so allowed)."""
+        first field nanoserve does not implement (a field sent as null is unset, so allowed): one
+        of `REFUSED_FIELDS` always, a name no API defines unless `ignore_unknown_fields`, which
+        logs and drops those instead."""
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
-        unknown = sorted(k for k, v in (body.model_extra or {}).items() if v is not None)
-        if unknown:
+        extra = body.model_extra or {}
+        unknown = sorted(k for k, v in extra.items() if v is not None)
+        for name in unknown:
+            if name in REFUSED_FIELDS:
+                raise APIError(400, f"{REFUSED_FIELDS[name]} (request field `{name}`)", param=name,
+                               code="unsupported_field")
+        if unknown and self.ignore_unknown_fields:
+            log.warning("dropping request fields that no API defines: %s", ", ".join(unknown))
+            for name in unknown:
+                del extra[name]
+        elif unknown:
             raise APIError(400, f"unsupported request field{'s' if len(unknown) > 1 else ''}: "
                            f"{', '.join(unknown)}", param=unknown[0], code="unsupported_field")
 

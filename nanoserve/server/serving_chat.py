@@ -8,7 +8,8 @@ With a reasoning parser (`--reasoning-parser`, or read from the chat template), 
 think block goes to `reasoning_content` (`delta.reasoning_content` in a stream), the rest to
 `content`, and an output constraint (response_format, guided_*, a forced tool call) applies to
 the answer after the think block (`reasoning_grammar`). With `tools` (tool_choice "auto", or
-"required" or a named function, which force the call through a grammar: see `forced_tools`), the
+"required" or a named function, which force the call through a grammar: see `forced_tools`; on a
+model with no tool-call format a forced call is a JSON array of calls, read by `JsonListParser`), the
 tools are rendered into the prompt by the chat template and each choice's content goes through
 the model's tool-call parser (`tool_parsers`): content chunks carry only the text outside calls;
 a call streams as OpenAI's do, a first chunk with its id and name, then chunks of argument text
@@ -31,10 +32,11 @@ from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
 from nanoserve.runtime.async_engine import EngineError, OutputStream
 from nanoserve.runtime.engine_core import EngineInfo
-from nanoserve.server.chat.forced_tools import forced_tool_calls
+from nanoserve.server.chat.forced_tools import forced_json_calls, forced_tool_calls
 from nanoserve.server.chat.output import ChatOutputFormat, tool_call_chunks
 from nanoserve.server.chat.reasoning_grammar import after_reasoning
 from nanoserve.server.chat.reasoning_parsers import closed_before_reply, starts_in_reasoning
+from nanoserve.server.chat.tool_parsers.json_list import JsonListParser
 from nanoserve.server.protocol import sse
 from nanoserve.server.protocol.errors import APIError
 from nanoserve.server.protocol.openai import ChatCompletionRequest
@@ -96,15 +98,18 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, id_prefix: s
     serving.check_request(body, body.model)
     info = serving.running_info()
     tok = serving.tokenizer()
-    tools = serving.tool_parser(tok) if body.template_tools() is not None else None
+    forced = body.forced_tools()
+    tools = serving.tool_parser(tok, forced is not None) if body.template_tools() is not None else None
     reasoning = serving.reasoning_format(tok)
     ids, params = await prepare_chat(serving, info, body)
     if tools is not None and tools.needs_special_tokens and body.skip_special_tokens is None:
         params.skip_special_tokens = False  # the format's markers are special tokens
-    if (forced := body.forced_tools()) is not None:
+    if forced is not None:
         assert tools is not None  # a forced call comes with tools, and tools with a parser
-        params = dataclasses.replace(params, structured=forced_tool_calls(
-            tools, forced, body.parallel_tool_calls is not False, tok))
+        parallel = body.parallel_tool_calls is not False
+        calls = (forced_json_calls(forced, parallel) if tools is JsonListParser
+                 else forced_tool_calls(tools, forced, parallel, tok))
+        params = dataclasses.replace(params, structured=calls)
     constraint = body.structured()
     param = "tool_choice" if constraint is None else constraint[0]
     await serving.grammars.check(tok, params, param)

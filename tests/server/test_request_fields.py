@@ -1,7 +1,8 @@
 """Request fields beyond the basic sampling ones: logit_bias, allowed_token_ids, bad_words,
 include_stop_str_in_output, prompt_logprobs, the model's generation-config defaults; and on the
-server, unknown fields, CORS, SSE keep-alive, the documented request bodies (/openapi.json) and a
-schemathesis run over them."""
+server, the documented no-op fields, the refused ones, unknown fields (and --ignore-unknown-fields),
+CORS, SSE keep-alive, the documented request bodies (/openapi.json) and a schemathesis run over
+them; the metrics' model_name label and /favicon.ico."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from nanoserve.engine.sampler import Sampler, SamplingBatch
 from nanoserve.model import load_model
 
 from support.forward import full_logits
-from support.server import ENGINE_ARGS, SERVED, serve, sse_payloads, wait_idle
+from support.server import ENGINE_ARGS, SERVED, make_engine, metric_value, serve, sse_payloads, wait_idle
 
 V = 50
 
@@ -287,3 +288,104 @@ def test_schemathesis_finds_no_server_error(url: str) -> None:
         check()
         tried += 1
     assert tried == 4
+
+
+# ---- every field of the current request bodies ----
+
+NO_OP_CHAT_FIELDS: dict[str, Any] = {
+    "service_tier": "auto", "prompt_cache_key": "user-42", "safety_identifier": "hashed-id", "user": "u",
+    "verbosity": "low", "modalities": ["text"], "metadata": {"k": "v"}, "store": False, "reasoning_effort": "high",
+    "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit"},
+}
+
+
+def test_no_op_fields_change_nothing(url: str) -> None:
+    """The fields OpenAI's SDK sends that cannot change this model's output are accepted and leave
+    it as it is (the demo template reads neither `verbosity` nor the thinking switches)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    base: dict[str, Any] = dict(model=SERVED, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                temperature=0.0)
+    plain = client.chat.completions.create(**base)
+    given = client.chat.completions.create(**base, **NO_OP_CHAT_FIELDS)
+    assert given.choices[0].message.content == plain.choices[0].message.content
+    chunks = list(client.chat.completions.create(**base, **NO_OP_CHAT_FIELDS, stream=True,
+                                                 stream_options={"include_usage": True, "include_obfuscation": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert chunks[-1].usage is not None
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+    ("web_search_options", {}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    ("moderation", {"model": "omni-moderation-latest"}), ("store", True), ("use_beam_search", True),
+])
+def test_fields_that_would_change_the_output_are_refused(url: str, field: str, value: Any) -> None:
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_unknown_fields(url: str, engine: LLMEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """A name no API defines is a 400 by default; `--ignore-unknown-fields` logs and drops it, and
+    still refuses the fields the APIs define that nanoserve cannot honour."""
+    body: dict[str, Any] = {"model": SERVED, "prompt": "Once upon", "max_tokens": 3, "temperature": 0.0,
+                            "frobnicate": 1}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+    want = httpx.post(f"{url}/v1/completions", json={k: v for k, v in body.items() if k != "frobnicate"}, timeout=60)
+    with serve(engine, ignore_unknown_fields=True) as (lenient, app), caplog.at_level("WARNING"):
+        r = httpx.post(f"{lenient}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        assert any("frobnicate" in rec.getMessage() for rec in caplog.records)
+        chat = {"model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "audio": {"voice": "alloy"}}
+        r = httpx.post(f"{lenient}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "audio"
+        wait_idle(app)
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_metrics_carry_the_model_name(url: str) -> None:
+    httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    page = httpx.get(f"{url}/metrics").text
+    samples = [line for line in page.splitlines() if line.startswith("nanoserve:")]
+    assert len(samples) > 20
+    assert all(f'model_name="{SERVED}"' in line for line in samples), [s for s in samples if SERVED not in s]
+    finished = f'nanoserve:request_finished_total{{model_name="{SERVED}",finished_reason="length"}}'
+    assert metric_value(page, finished) >= 1
+
+
+def test_favicon_is_no_content(url: str) -> None:
+    r = httpx.get(f"{url}/favicon.ico")
+    assert r.status_code == 204 and not r.content
+
+
+def test_effort_fields_reach_a_template_that_reads_them(demo_dir: Path, tmp_path: Path) -> None:
+    """A template with its own `reasoning_effort` and `verbosity` variables (gpt-oss's shape)
+    renders them: the prompt grows by the words they add, and by nothing without them."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(demo_dir, ckpt)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{%- if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+        "{%- if verbosity is defined %}Verbosity: {{ verbosity }}\n{% endif %}"
+        "{%- for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    with serve(make_engine(ckpt)) as (url, app):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        tok = app.state.engine.info.tokenizer
+
+        def prompt_tokens(**fields: Any) -> int:
+            r = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=1, **fields)
+            assert r.usage is not None
+            return r.usage.prompt_tokens
+
+        plain = prompt_tokens()
+        assert plain == len(tok.encode("user: Hi\nassistant:"))
+        assert prompt_tokens(reasoning_effort="high", verbosity="low") == len(
+            tok.encode("Reasoning: high\nVerbosity: low\nuser: Hi\nassistant:"))
+        wait_idle(app)

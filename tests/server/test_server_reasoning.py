@@ -237,3 +237,51 @@ def test_reasoning_grammar_shapes(think_model: Path, demo_dir: Path, tags_are_to
         ids = tok.encode(text, add_special_tokens=False)
         ok = matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
         assert ok is accepted, (in_reasoning, text, wrapped.grammar)
+
+
+@pytest.mark.parametrize(("effort", "thinks"), [("none", False), ("minimal", False), ("low", True), ("high", True)])
+def test_reasoning_effort_switches_thinking(server: tuple[str, FastAPI], effort: str, thinks: bool) -> None:
+    """`reasoning_effort` reaches the template as `enable_thinking` (false for "none" and
+    "minimal"); `chat_template_kwargs` wins over it."""
+    client = client_of(server)
+    r = client.chat.completions.create(model=SERVED, messages=MESSAGES, temperature=0.0,  # type: ignore[arg-type]
+                                       reasoning_effort=effort)  # type: ignore[arg-type]
+    assert r.choices[0].message.content == ANSWER
+    assert reasoning_of(r.choices[0].message) == (REASONING if thinks else None)
+    overridden = client.chat.completions.create(
+        model=SERVED, messages=MESSAGES, temperature=0.0, reasoning_effort=effort,  # type: ignore[arg-type]
+        extra_body={"chat_template_kwargs": {"enable_thinking": not thinks}})
+    assert reasoning_of(overridden.choices[0].message) == (None if thinks else REASONING)
+    wait_idle(server[1])
+
+
+def test_template_variables_of_the_effort_fields() -> None:
+    def kwargs(**fields: Any) -> dict[str, Any]:
+        return ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields}).template_kwargs()
+
+    assert kwargs() == {}
+    assert kwargs(reasoning_effort="minimal", verbosity="low") == {
+        "enable_thinking": False, "reasoning_effort": "minimal", "verbosity": "low"}
+    assert kwargs(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == {
+        "enable_thinking": True, "reasoning_effort": "low"}
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_pydantic_ai_vllm_provider(think_model: Path, thinking: bool) -> None:
+    """pydantic-ai's vLLM provider, with its unified `thinking` setting, on a model it takes for a
+    Qwen3 (by the served name): the reasoning comes back as a thinking part, or not at all."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ThinkingPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.vllm import VLLMProvider
+
+    name = "qwen3-think"
+    with serve(make_engine(think_model, max_model_len=512, num_kv_blocks=128), served_model_name=name) as (url, app):
+        model = OpenAIChatModel(name, provider=VLLMProvider(base_url=f"{url}/v1", api_key="unused"))
+        agent = Agent(model, model_settings={"thinking": thinking, "temperature": 0.0})
+        result = agent.run_sync(MESSAGES[0]["content"])
+        assert result.output == ANSWER
+        thoughts = [p.content for m in result.all_messages() for p in getattr(m, "parts", [])
+                    if isinstance(p, ThinkingPart)]
+        assert thoughts == ([REASONING] if thinking else [])
+        wait_idle(app)

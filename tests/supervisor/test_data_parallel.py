@@ -29,6 +29,8 @@ from nanoserve.server.protocol.openai import ChatCompletionRequest, CompletionRe
 from nanoserve.supervisor import data_parallel, processes
 from nanoserve.supervisor.data_parallel import DataParallelPlan, free_port_range, split_cpus
 
+from support.server import metric_value
+
 pytestmark = pytest.mark.slow
 
 REPLICA_ARGS = ["--served-model-name", "nanoserve-demo", "--max-model-len", "1024", "--num-kv-blocks", "256",
@@ -105,12 +107,9 @@ def _chat(up: Launched, system: str, question: str, max_tokens: int = 1) -> int:
 
 def _prefix_counters(url: str) -> tuple[float, float]:
     """(prompt tokens looked up, prompt tokens found) in a replica's prefix cache, from /metrics."""
-    values = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        name, _, value = line.partition(" ")
-        values[name] = value
-    return (float(values["nanoserve:prefix_cache_queries_total"]),
-            float(values["nanoserve:prefix_cache_hits_total"]))
+    page = httpx.get(f"{url}/metrics").text
+    return (metric_value(page, "nanoserve:prefix_cache_queries_total"),
+            metric_value(page, "nanoserve:prefix_cache_hits_total"))
 
 
 def _system_prompts(groups: int) -> list[str]:

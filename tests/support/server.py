@@ -4,6 +4,7 @@ for the KV pool to be free again, and a strict parser of SSE bytes."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ def make_engine(demo_dir: Path, **overrides: Any) -> LLMEngine:
 @contextmanager
 def serve(engine: LLMEngine, **config: Any) -> Iterator[tuple[str, FastAPI]]:
     """The engine behind a fresh app on a free loopback port: (base url, app)."""
-    app = build_app(engine, ServerConfig(served_model_name=SERVED, **config))
+    app = build_app(engine, ServerConfig(**{"served_model_name": SERVED, **config}))
     with ServerThread(app) as server:
         server.wait_healthy(timeout=60)
         yield server.url, app
@@ -97,11 +98,23 @@ def sse_payloads(raw: bytes) -> list[Any]:
     return payloads
 
 
+def _sample(text: str) -> tuple[str, dict[str, str]]:
+    """A sample's name and labels, from `name{label="value",...}`."""
+    base, _, labels = text.partition("{")
+    return base, dict(re.findall(r'(\w+)="([^"]*)"', labels))
+
+
 def metric_value(text: str, name: str) -> float:
-    """The value of one sample line (`name` includes any labels) of a Prometheus text page."""
+    """The value of the first sample line of a Prometheus text page with this name and at least
+    the labels `name` gives (`name{label="value"}`; a label it does not give may have any value)."""
+    want, labels = _sample(name)
     for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
+        if line.startswith("#") or not line.strip():
+            continue
+        sample, value = line.rsplit(" ", 1)
+        base, have = _sample(sample)
+        if base == want and labels.items() <= have.items():
+            return float(value)
     raise AssertionError(f"no sample {name}")
 
 

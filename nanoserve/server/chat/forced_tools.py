@@ -4,6 +4,9 @@ parser accepts, to one of the allowed functions, with arguments valid against it
 The parser's class says how its format writes a call (`forced_format`); a format that says
 nothing cannot force one.
 
+A model whose template shows no format (no parser) is forced to write the calls as a JSON array
+of `{"name", "arguments"}` objects instead (`forced_json_calls`, read by `JsonListParser`).
+
 With `parallel_tool_calls` false the grammar takes exactly one call; otherwise one or more.
 """
 
@@ -52,3 +55,12 @@ def forced_tool_calls(parser: type[ToolCallParser], functions: list[FunctionDefi
     calls = f"call ({json.dumps(fmt.between)} call)*" if parallel else "call"
     call = " ".join("body" if p is None else _literal(p, tok) for p in fmt.pieces)
     return StructuredOutputs(grammar=f"start: {calls}\ncall: {call}\nbody: %json {schema}\n")
+
+
+def forced_json_calls(functions: list[FunctionDefinition], parallel: bool) -> StructuredOutputs:
+    """The JSON schema of a message of forced calls on a model with no tool-call format: an array
+    of one call (`parallel` false) or one or more, each valid against `call_schema`."""
+    array: dict[str, Any] = {"type": "array", "items": call_schema(functions, "arguments"), "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    return StructuredOutputs(json=array)

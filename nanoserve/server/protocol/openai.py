@@ -26,9 +26,39 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
+# Fields that the OpenAI, vLLM or SGLang APIs define and nanoserve does not implement, each of
+# which would change the output: a 400 naming the field, whatever `--ignore-unknown-fields` says.
+REFUSED_FIELDS: dict[str, str] = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "functions": "the deprecated `functions` is not supported; send `tools`",
+    "function_call": "the deprecated `function_call` is not supported; send `tool_choice`",
+    "moderation": "moderation is not supported",
+    "web_search_options": "web search is not supported",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty (beam search) is not supported",
+    "truncate_prompt_tokens": "prompt truncation is not supported",
+    "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
+    "add_special_tokens": "add_special_tokens is not supported on this route",
+    "documents": "documents (RAG templates) are not supported",
+    "chat_template": "a request's own chat_template is not supported",
+    "mm_processor_kwargs": "multimodal input is not supported",
+    "logits_processors": "logits_processors are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "return_token_ids": "return_token_ids is not supported",
+    "vllm_xargs": "vllm_xargs is not supported",
+    "kv_transfer_params": "KV transfer is not supported",
+    "regex": "SGLang's `regex` is not supported; send `structured_outputs.regex`",
+    "ebnf": "SGLang's `ebnf` is not supported; send `structured_outputs.grammar`",
+    "lora_path": "LoRA adapters are not supported",
+    "session_params": "sessions are not supported",
+}
+
+
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # a no-op: nanoserve's chunks carry no obfuscation padding
 
 
 class ContentPart(BaseModel):
@@ -255,13 +285,36 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool | None = None
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
+    # Documented no-ops of the chat API: none of them can change the output. `safety_identifier`
+    # (like `user`) names the end user for abuse monitoring; `service_tier` picks a billing tier;
+    # the prompt cache fields steer OpenAI's cache, where nanoserve's prefix cache is always on
+    # (and the cache-aware router in front of replicas routes by the prompt's own prefix).
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, str] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
     ROUTER_DEFAULTS: ClassVar[dict[str, bool]] = {**_SamplingRequest.ROUTER_DEFAULTS, "continue_final_message": False,
                                                   "separate_reasoning": True, "stream_reasoning": True}
 
     def template_kwargs(self) -> dict[str, Any]:
         """Extra variables for the chat template (e.g. `enable_thinking`): JSON values under names
-        a template can read, none of them one the request sets otherwise."""
-        kwargs = self.chat_template_kwargs or {}
+        a template can read, none of them one the request sets otherwise. `reasoning_effort` sets
+        `enable_thinking` (false for "none" and "minimal", as vLLM maps it onto Qwen3's switch) and
+        the template's own `reasoning_effort`; `verbosity` sets `verbosity`; a template that reads
+        none of them renders as without them, and `chat_template_kwargs` wins over both."""
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise APIError(400, "only the text modality is supported", param="modalities")
+        derived: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            derived["enable_thinking"] = self.reasoning_effort not in ("none", "minimal")
+            derived["reasoning_effort"] = self.reasoning_effort
+        if self.verbosity is not None:
+            derived["verbosity"] = self.verbosity
+        kwargs = {**derived, **(self.chat_template_kwargs or {})}
         for name in kwargs:
             if name in RESERVED_TEMPLATE_NAMES:
                 raise APIError(400, f"chat_template_kwargs may not set `{name}`; it comes from the request",

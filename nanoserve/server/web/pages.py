@@ -1,4 +1,7 @@
-"""The browser pages' static files: `GET /` (the chat page) and `GET /static/{name}`.
+"""The browser pages' static files: `GET /` (the chat page) and `GET /static/{name}`; and
+`GET /favicon.ico`, which browsers ask every page of a server for, answered 204 (no icon): the
+pages declare none, and a 204 ends the browser's request without a 404 in the logs or a binary
+asset to keep.
 
 Invariants: only regular files lying directly in `STATIC_DIR` whose suffix has a content type in
 `CONTENT_TYPES` are served, looked up by exact name (no path is ever built from the request, so no
@@ -11,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 
 from nanoserve.server.protocol.errors import APIError
 
@@ -46,12 +49,17 @@ def static_response(files: dict[str, Path], name: str, headers: dict[str, str] |
 
 
 def register_pages(app: FastAPI) -> None:
-    """Adds `GET /` (chat.html) and `GET /static/{name}` to `app`; the file list is read once."""
+    """Adds `GET /` (chat.html), `GET /favicon.ico` and `GET /static/{name}` to `app`; the file
+    list is read once."""
     files = static_files()
 
     @app.get("/", include_in_schema=False)
     async def chat_page() -> FileResponse:
         return static_response(files, "chat.html", {"Content-Security-Policy": CHAT_PAGE_CSP})
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response(status_code=204, headers={"Cache-Control": "max-age=86400"})
 
     @app.get("/static/{name}", include_in_schema=False)
     async def static_file(name: str) -> FileResponse:

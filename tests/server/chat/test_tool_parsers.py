@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from nanoserve.server.chat.tool_parsers.calls import ToolCall, ToolCallDelta, join_calls
 from nanoserve.server.chat.tool_parsers.hermes import HermesParser
+from nanoserve.server.chat.tool_parsers.json_list import JsonListParser
 from nanoserve.server.chat.tool_parsers.llama3_json import Llama3JsonParser
 from nanoserve.server.chat.tool_parsers.mistral import MistralParser
 from nanoserve.server.chat.tool_parsers.registry import parser_factory
@@ -149,11 +150,28 @@ def test_arguments_cut_short_are_sent_as_generated() -> None:
         "", [ToolCall("f", '{"city": "Pa')])
 
 
+JSON_LIST_CASES = [
+    ('[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}]', "", [WEATHER]),
+    ('[{"name":"get_weather","arguments":{"city":"Paris","unit":"°C"}},{"name":"get_time","arguments":{}}]',
+     "", [ToolCall("get_weather", '{"city":"Paris","unit":"°C"}'), ToolCall("get_time", "{}")]),
+    ('[\n  {"name": "get_time", "arguments": {}}\n]', "", [TIME]),
+    ('[{"name": "get_time", "arguments": {"a": [1, "]"]', "", [ToolCall("get_time", '{"a": [1, "]"]')]),  # cut short
+    ('[{"oops": 1}]', '{"oops": 1}]', []),  # not a call (no grammar applied): content
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), JSON_LIST_CASES)
+def test_json_list(text: str, content: str, calls: list[ToolCall]) -> None:
+    assert run(JsonListParser, [text]) == (content, calls)
+    assert run(JsonListParser, list(text)) == (content, calls)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_any_split_gives_the_same_result(data: st.DataObject) -> None:
     cls, cases = data.draw(st.sampled_from([(HermesParser, HERMES_CASES), (Llama3JsonParser, LLAMA_CASES),
-                                            (MistralParser, MISTRAL_CASES)]))
+                                            (MistralParser, MISTRAL_CASES),
+                                            (JsonListParser, JSON_LIST_CASES)]))
     text, content, calls = data.draw(st.sampled_from(cases))
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=8)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
