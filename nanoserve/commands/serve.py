@@ -16,6 +16,7 @@ from nanoserve.commands.common import add_engine_args, add_model_arg, engine_arg
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.parallel.worker import run_node_workers
+from nanoserve.runtime.async_engine import DEFAULT_MAX_RESTARTS
 from nanoserve.runtime.builder import build_engine
 from nanoserve.runtime.engine_core import EngineState
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
@@ -65,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-unknown-fields", action="store_true",
                    help="log and drop request fields that no OpenAI, vLLM or SGLang API defines (default: a 400 "
                         "naming them); fields those APIs define that nanoserve cannot honour stay a 400")
+    p.add_argument("--engine-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
+                   help="restart a dead engine-core process up to N times within 10 minutes (delays 1, 2, 4, ... s); "
+                        f"past that the server exits with status 1 (default: {DEFAULT_MAX_RESTARTS})")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine in a process of its own (default: the HTTP side and the engine then do not "
                         "share one interpreter lock) or on a thread of the server process")
@@ -96,8 +100,9 @@ def run(ns: argparse.Namespace) -> int:
     config = ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser, ns.stream_interval,
                           reasoning_parser=ns.reasoning_parser, allowed_origins=tuple(ns.allowed_origins),
                           sse_keep_alive_s=ns.sse_keep_alive or None, prompt_workers=ns.prompt_workers,
-                          prompt_timeout_s=ns.prompt_timeout, ignore_unknown_fields=ns.ignore_unknown_fields)
-    app = build_app(engine, config, on_load_failure=shut_down)
+                          prompt_timeout_s=ns.prompt_timeout, ignore_unknown_fields=ns.ignore_unknown_fields,
+                          engine_restarts=ns.engine_restarts)
+    app = build_app(engine, config, on_fatal=shut_down)
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port,
                                            timeout_graceful_shutdown=ns.shutdown_timeout,
                                            log_level=logging.getLevelName(logging.getLogger().level).lower()))
@@ -105,14 +110,15 @@ def run(ns: argparse.Namespace) -> int:
              name, ns.host, ns.port)
     serve_until_signal(server)
     front = app.state.engine
-    if front.state is EngineState.DEAD and front.info is None:
-        print(f"nanoserve: error: loading the model failed: {front.error}", file=sys.stderr)
+    if front.state is EngineState.DEAD:
+        what = "loading the model failed" if front.info is None else "the engine died past its restarts"
+        print(f"nanoserve: error: {what}: {front.error}", file=sys.stderr)
         return 1
     return 0
 
 
 # Flags of the data-parallel supervisor itself, never passed on to a replica (each gets its own host and port).
-_LAUNCHER_ONLY = frozenset({"host", "port", "data_parallel_size", "router_policy", "help"})
+_SUPERVISOR_ONLY = frozenset({"host", "port", "data_parallel_size", "router_policy", "help"})
 
 
 def _run_data_parallel(ns: argparse.Namespace) -> int:
@@ -140,7 +146,7 @@ def replica_argv(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> lis
     positional: list[str] = []
     for action in parser._actions:
         value: Any = getattr(ns, action.dest, None)
-        if action.dest in _LAUNCHER_ONLY or value == action.default:
+        if action.dest in _SUPERVISOR_ONLY or value == action.default:
             continue
         if not action.option_strings:
             positional.append(str(value))

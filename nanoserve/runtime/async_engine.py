@@ -14,7 +14,11 @@ samples (`latencies`); with no sink, the core records nothing for them.
 
 Aborts happen between steps: an aborted request's blocks are free after the core's next
 iteration. A core that exits, by a stop, an error or a crashed process, fails every stream still
-open.
+open. A core process that dies after it had loaded is started again (the state goes DEAD, then
+LOADING, then RUNNING), after a delay that doubles with each restart, at most `max_restarts` times
+within `RESTART_WINDOW_S`; past that, or for a core that never loaded, `on_fatal` is called (a
+server then exits, for its supervisor to restart it). A core on a thread is not restarted: its
+engine object may be broken.
 
 Deltas are merged in one layer, here: the core sends every step's deltas as the engine made them,
 and each `OutputStream` holds what arrived for it until its consumer takes it, merging per
@@ -26,6 +30,7 @@ every step), so the engine process spends nothing on either.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -63,6 +68,10 @@ from nanoserve.runtime.metrics import LatencyWindow, Metrics
 log = logging.getLogger(__name__)
 
 PROCESS_STOP_TIMEOUT_S = 30.0
+DEFAULT_MAX_RESTARTS = 3
+RESTART_WINDOW_S = 600.0  # restarts counted against `max_restarts`: those this recent
+RESTART_BACKOFF_S = 1.0  # the first restart's delay, doubled for each further one in the window
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 class EngineError(RuntimeError):
@@ -79,22 +88,27 @@ class QueueFullError(RuntimeError):
 
 class AsyncEngine:
     """Owns the engine core. States: LOADING -> RUNNING -> STOPPED (stop) or DEAD (a broken
-    engine or a dead process); LOADING -> DEAD when the loader raises. Requests are accepted only
-    while RUNNING and while fewer than `max_queued_requests` requests wait, counting those handed
-    off but not yet seen by the core, so the waiting queue is bounded at every moment."""
+    engine or a dead process), and DEAD -> LOADING when a dead core process is restarted; LOADING
+    -> DEAD when the loader raises. Requests are accepted only while RUNNING and while fewer than
+    `max_queued_requests` requests wait, counting those handed off but not yet seen by the core,
+    so the waiting queue is bounded at every moment."""
 
     def __init__(self, loader: Callable[[], LLMEngine] | EngineArgs, *, max_queued_requests: int = 1024,
-                 metrics: Metrics | None = None, stream_interval: int = 1,
-                 on_load_failure: Callable[[], None] | None = None) -> None:
+                 metrics: Metrics | None = None, stream_interval: int = 1, max_restarts: int = DEFAULT_MAX_RESTARTS,
+                 on_fatal: Callable[[], None] | None = None) -> None:
         """`loader`: run on a thread of this process, or `EngineArgs` to build the engine from in
         an engine-core process. `stream_interval`: a stream's consumer gets its outputs every
         this many steps (merged per sequence), and always at a request's first output and when
         a sequence finishes; more than 1 trades inter-token latency for fewer, larger chunks.
-        `on_load_failure` is called on the event loop if the model never loads."""
+        `max_restarts`: restarts of a dead core process allowed within `RESTART_WINDOW_S`.
+        `on_fatal` is called on the event loop when the engine will not serve again: the model
+        never loaded, or the core died once more than its restarts allow."""
         if max_queued_requests < 1:
             raise ValueError("max_queued_requests must be at least 1")
         if stream_interval < 1:
             raise ValueError("stream_interval must be at least 1")
+        if max_restarts < 0:
+            raise ValueError("max_restarts must be at least 0")
         self.max_queued_requests = max_queued_requests
         self.stream_interval = stream_interval
         self.metrics = metrics
@@ -102,8 +116,13 @@ class AsyncEngine:
         self.error: str | None = None
         self.info: EngineInfo | None = None  # set once loaded
         self.snapshot: EngineSnapshot | None = None
+        self.max_restarts = max_restarts
+        self.num_restarts = 0
+        self._restarts: collections.deque[float] = collections.deque()  # times of restarts in the window
+        self._restart_pending = False
+        self._stopping = False
         self._loader = loader
-        self._on_load_failure = on_load_failure
+        self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # engine request id -> its API request's stream
         self._handed_off = 0  # AddRequests the core has not taken yet
@@ -126,6 +145,7 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         """Stops the core: every request still in it is aborted and its stream failed."""
+        self._stopping = True
         if self._loop is not None:
             self._commands.put(None)
             await asyncio.to_thread(self._join)
@@ -133,7 +153,8 @@ class AsyncEngine:
     def unavailable_reason(self) -> str:
         return {
             EngineState.LOADING: "the model is still loading",
-            EngineState.DEAD: f"the engine has stopped after an error: {self.error}",
+            EngineState.DEAD: f"the engine has stopped after an error: {self.error}"
+                              + ("; it is being restarted" if self._restart_pending else ""),
             EngineState.STOPPED: "the server is shutting down",
         }.get(self.state, "")
 
@@ -215,8 +236,45 @@ class AsyncEngine:
         streams, self._streams = set(self._streams.values()), {}
         for stream in streams:
             stream._fail(reason)
-        if self.info is None and self._on_load_failure is not None:
-            self._on_load_failure()
+        if exited.state is not EngineState.DEAD or self._stopping:
+            return
+        if self.info is not None and isinstance(self._loader, EngineArgs) and self._may_restart():
+            delay = min(RESTART_BACKOFF_S * 2 ** (len(self._restarts) - 1), MAX_RESTART_BACKOFF_S)
+            log.error("the engine core died (%s); restarting it in %.0f s (restart %d of %d within %.0f s)",
+                      exited.error, delay, len(self._restarts), self.max_restarts, RESTART_WINDOW_S)
+            self._restart_pending = True
+            assert self._loop is not None
+            self._loop.call_later(delay, self._restart, self._loader)
+        else:
+            if self.info is not None:
+                log.error("the engine core died (%s) and is not restarted again", exited.error)
+            if self._on_fatal is not None:
+                self._on_fatal()
+
+    def _may_restart(self) -> bool:
+        """Records a restart, if one more is allowed within the window."""
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.max_restarts:
+            return False
+        self._restarts.append(now)
+        return True
+
+    def _restart(self, args: EngineArgs) -> None:
+        """Starts a new core process in place of the dead one (on the event loop)."""
+        self._restart_pending = False
+        if self._stopping:
+            return
+        old, self._commands = self._commands, queue.SimpleQueue()
+        old.put(None)  # ends the dead core's writer thread
+        self._handed_off = self._waiting = 0
+        self.state, self.num_restarts = EngineState.LOADING, self.num_restarts + 1
+        if self.metrics is not None:
+            self.metrics.engine_restarts.inc()
+        if self._stats_sinks:
+            self._commands.put(WatchStats(True))
+        self._start_process(args)
 
     def _set_snapshot(self, snapshot: EngineSnapshot) -> None:
         self.snapshot = snapshot

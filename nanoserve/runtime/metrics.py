@@ -27,10 +27,11 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
 
 
 class Metrics:
-    """Invariant: counters mirror the engine's own monotonic counters (prompt and generated tokens,
-    prefix-cache queries and hits) as of the latest `update_engine`. Every series carries the
-    served model's name as its `model_name` label (vLLM's convention), so the series of several
-    servers can share one Prometheus."""
+    """Invariant: counters advance with the engine's own monotonic counters (prompt and generated
+    tokens, prefix-cache queries and hits), by their change since the previous `update_engine`; an
+    engine core started again counts from zero, and its counts are added to those before it. Every
+    series carries the served model's name as its `model_name` label (vLLM's convention), so the
+    series of several servers can share one Prometheus."""
 
     def __init__(self, model_name: str) -> None:
         r = self.registry = CollectorRegistry()
@@ -51,6 +52,8 @@ class Metrics:
                                      registry=r).labels(m)
         self.generation_tokens = Counter("nanoserve:generation_tokens", "Tokens generated", label,
                                          registry=r).labels(m)
+        self.engine_restarts = Counter("nanoserve:engine_restarts", "Engine core processes started again after "
+                                       "they died", label, registry=r).labels(m)
         self.finished = Counter("nanoserve:request_finished", "Finished requests by finish reason "
                                 "(stop, length, abort, error)", ["model_name", "finished_reason"], registry=r)
         self.ttft = Histogram("nanoserve:time_to_first_token_seconds", "Time from arrival to the first token",
@@ -88,7 +91,7 @@ class Metrics:
         self.spec_acceptance.set(spec.acceptance_rate)
         self.spec_mean_length.set(spec.mean_accepted_length)
         for counter, new, old in zip(self._mirrored, now, self._last, strict=True):
-            counter.inc(new - old)
+            counter.inc(new - old if new >= old else new)  # an engine restarted counts from zero again
         self._last = now
 
     def record_finished(self, reason: str, e2e_s: float | None) -> None:

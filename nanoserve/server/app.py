@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.runtime.async_engine import DEFAULT_MAX_RESTARTS, AsyncEngine
 from nanoserve.runtime.engine_core import EngineState
 from nanoserve.runtime.metrics import Metrics
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSERS
@@ -73,6 +73,7 @@ class ServerConfig:
     sse_keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
     prompt_workers: int = DEFAULT_PROMPT_WORKERS
     prompt_timeout_s: float = DEFAULT_TIMEOUT_S
+    engine_restarts: int = DEFAULT_MAX_RESTARTS  # restarts of a dead engine-core process within 10 minutes
     ignore_unknown_fields: bool = False  # log and drop request fields no API defines (else a 400)
 
     def __post_init__(self) -> None:
@@ -85,11 +86,12 @@ class ServerConfig:
 
 
 def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: ServerConfig | None = None,
-              on_load_failure: Callable[[], None] | None = None) -> FastAPI:
+              on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """An app serving `engine`: a built engine or a loader, served from a thread of this process,
     or `EngineArgs`, built and served in an engine-core process. A loader or `EngineArgs` load
-    at startup (/health answers 503 until the model is ready); `on_load_failure` is called if it
-    never is."""
+    at startup (/health answers 503 until the model is ready); a dead engine-core process is
+    restarted up to `config.engine_restarts` times (see AsyncEngine), and `on_fatal` is called when
+    the engine will not serve again (it never loaded, or died past its restarts)."""
     config = config or ServerConfig()
     if isinstance(engine, LLMEngine):
         loader: Callable[[], LLMEngine] | EngineArgs = _ready(engine)
@@ -100,7 +102,8 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
         loader, name = engine, config.served_model_name or DEMO_MODEL_NAME
     metrics = Metrics(name)
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
-                               stream_interval=config.stream_interval, on_load_failure=on_load_failure)
+                               stream_interval=config.stream_interval, max_restarts=config.engine_restarts,
+                               on_fatal=on_fatal)
     prompts = PromptGate(config.prompt_workers, PromptLimits(timeout_s=config.prompt_timeout_s))
     serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser, prompts=prompts,
                       keep_alive_s=config.sse_keep_alive_s, ignore_unknown_fields=config.ignore_unknown_fields)

@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,9 +193,10 @@ def test_a_loader_that_raises_exits_dead_without_ready() -> None:
 
 
 @contextlib.contextmanager
-def _process_server(demo_dir: Path, **args: Any) -> Iterator[tuple[str, Any]]:
+def _process_server(demo_dir: Path, config: dict[str, Any] | None = None, on_fatal: Callable[[], None] | None = None,
+                    **args: Any) -> Iterator[tuple[str, Any]]:
     engine_args = EngineArgs(model=str(demo_dir), **{**ENGINE_ARGS, **args})
-    app = build_app(engine_args, ServerConfig(served_model_name=SERVED))
+    app = build_app(engine_args, ServerConfig(served_model_name=SERVED, **(config or {})), on_fatal=on_fatal)
     with ServerThread(app) as server:
         server.wait_healthy(timeout=120)
         yield server.url, app
@@ -284,7 +285,7 @@ def test_a_speculative_core_process_serves_the_plain_greedy_output_and_counts_it
 
 @pytest.mark.slow
 def test_a_killed_core_process_fails_its_streams_and_the_health_check(demo_dir: Path) -> None:
-    with _process_server(demo_dir, max_model_len=2048, num_kv_blocks=256) as (url, _):
+    with _process_server(demo_dir, {"engine_restarts": 0}, max_model_len=2048, num_kv_blocks=256) as (url, _):
         body = {"model": SERVED, "prompt": "go on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             chunks = r.iter_raw()
@@ -303,11 +304,56 @@ def test_a_killed_core_process_fails_its_streams_and_the_health_check(demo_dir: 
         assert r.status_code == 503
 
 
+def _kill_core() -> None:
+    (core,) = _core_processes()
+    assert core.pid is not None
+    os.kill(core.pid, signal.SIGKILL)
+
+
+def _wait_for_health(url: str, code: int, timeout: float = 120) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while (health := httpx.get(f"{url}/health", timeout=10)).status_code != code:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.05)
+    return health
+
+
+@pytest.mark.slow
+def test_a_killed_core_process_is_restarted_until_its_restarts_run_out(demo_dir: Path) -> None:
+    """Killed once: in-flight streams fail, /health says the engine is dead and being restarted,
+    then a new core serves (counted in the metrics). Killed past `engine_restarts`: on_fatal."""
+    fatal: list[bool] = []
+    with _process_server(demo_dir, {"engine_restarts": 1}, on_fatal=lambda: fatal.append(True),
+                         max_model_len=2048, num_kv_blocks=256) as (url, app):
+        body = {"model": SERVED, "prompt": "go on", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            chunks = r.iter_raw()
+            received = [next(chunks)]
+            _kill_core()
+            received.extend(chunks)
+        assert [p["error"]["code"] for p in sse_payloads(b"".join(received)) if "error" in p] == ["engine_unavailable"]
+        health = httpx.get(f"{url}/health", timeout=10)  # dead until the restart's delay has passed, then loading
+        assert health.status_code == 503 and health.json()["error"]["code"] in ("engine_dead", "engine_loading")
+        _wait_for_health(url, 200)
+        r = httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert app.state.engine.num_restarts == 1 and not fatal
+        assert metric_value(httpx.get(f"{url}/metrics").text, "nanoserve:engine_restarts_total") == 1
+        _kill_core()
+        deadline = time.monotonic() + 60
+        while not fatal:
+            assert time.monotonic() < deadline, "on_fatal was not called"
+            time.sleep(0.05)
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert app.state.engine.num_restarts == 1
+
+
 @pytest.mark.slow
 def test_a_core_process_that_cannot_load_marks_the_engine_dead(tmp_path: Path) -> None:
     failed: list[bool] = []
     app = build_app(EngineArgs(model=str(tmp_path)), ServerConfig(served_model_name=SERVED),
-                    on_load_failure=lambda: failed.append(True))
+                    on_fatal=lambda: failed.append(True))
     with ServerThread(app) as server:
         deadline = time.monotonic() + 120
         while (health := httpx.get(f"{server.url}/health")).json()["error"]["code"] == "engine_loading":
