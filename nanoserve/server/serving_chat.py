@@ -59,12 +59,7 @@ def prepare_chat(info: EngineInfo, body: ChatCompletionRequest) -> tuple[list[in
     tok = info.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer")
-    messages = [m.to_template() for m in body.messages]
-    try:
-        ids = tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
-                              tools=body.template_tools(), **body.template_kwargs())
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from e
+    ids = render_chat(tok, body)
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
         max_tokens = max(info.limits.max_tokens_in_pool - len(ids), 1)
@@ -72,6 +67,17 @@ def prepare_chat(info: EngineInfo, body: ChatCompletionRequest) -> tuple[list[in
     resolve_bad_words(params, tok)
     validate_prompt(info.limits, ids, params, "messages")
     return ids, params
+
+
+def render_chat(tok: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The prompt ids of a chat request: its messages and tools through the chat template (a 400
+    for what the template refuses). Blocking, as `prepare_chat` is."""
+    messages = [m.to_template() for m in body.messages]
+    try:
+        return tok.encode_chat(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                               tools=body.template_tools(), **body.template_kwargs())
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
 
 
 # Prompt tokens read to see whether the template left a think block open (or closed it empty).
