@@ -24,6 +24,7 @@ import tokenizers
 import transformers
 from fastapi import FastAPI
 
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.tokenizer import Tokenizer
 
 from support.server import SERVED, make_engine, serve, wait_idle
@@ -73,8 +74,13 @@ def model_path(make_checkpoint: Callable[..., Path], demo_dir: Path, tmp_path_fa
 
 
 @pytest.fixture(scope="module")
-def server(model_path: Path) -> Iterator[tuple[str, FastAPI]]:
-    with serve(make_engine(model_path, max_model_len=512, num_kv_blocks=128), api_key=KEY) as served:
+def engine(model_path: Path) -> LLMEngine:
+    return make_engine(model_path, max_model_len=512, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def server(engine: LLMEngine) -> Iterator[tuple[str, FastAPI]]:
+    with serve(engine, api_key=KEY) as served:
         yield served
 
 
@@ -133,6 +139,18 @@ def test_count_tokens(client: anthropic.Anthropic, model_path: Path) -> None:
     system = "You are terse."
     plain = client.messages.count_tokens(model=SERVED, messages=[USER])
     assert plain.input_tokens == reference_count(model_path, [USER])
+    blocks = client.messages.count_tokens(model=SERVED, messages=[{"role": "user", "content": [
+        {"type": "text", "text": USER["content"], "cache_control": {"type": "ephemeral"}}]}])
+    assert blocks.input_tokens == plain.input_tokens
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": CALL["arguments"]}
+    failed = client.messages.count_tokens(model=SERVED, messages=[
+        USER, {"role": "assistant", "content": [use]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "is_error": True, "content": [{"type": "text", "text": "no"}]},
+            {"type": "text", "text": "Try again."}]}])
+    assert failed.input_tokens == reference_count(model_path, [
+        USER, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": CALL["arguments"]}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: no"}, {"role": "user", "content": "Try again."}])
     full = client.messages.count_tokens(model=SERVED, messages=[USER], system=system, tools=TOOLS,
                                         thinking=NO_THINKING)
     expected = reference_count(model_path, [{"role": "system", "content": system}, USER], tools=OPENAI_TOOLS,
@@ -291,3 +309,32 @@ def test_bad_json_and_methods(server: tuple[str, FastAPI], client: anthropic.Ant
     assert caught.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="nope", messages=[USER])
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event(server: tuple[str, FastAPI], engine: LLMEngine,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails after the stream began ends it with Anthropic's `error` event; the server
+    stays up and frees every block."""
+    url, app = server
+    step, armed = engine.step, [True]
+
+    def flaky_step() -> Any:
+        if armed[0] and any(r.num_output_tokens >= 1 for r in engine.scheduler.running):
+            armed[0] = False
+            raise RuntimeError("injected step failure")
+        return step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    body = {**GOOD, "max_tokens": 64, "stream": True, "temperature": 0.0}
+    raw = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60).text
+    frames = [f.split("\n") for f in raw.strip().split("\n\n")]
+    assert frames[0][0] == "event: message_start" and frames[-1][0] == "event: error"
+    error = json.loads(frames[-1][1].removeprefix("data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "injected step failure" in error["error"]["message"]
+    assert not any(f[0] == "event: message_stop" for f in frames)
+    assert httpx.get(f"{url}/health").status_code == 200
+    wait_idle(app)
+    r = httpx.post(f"{url}/v1/messages", json={**body, "stream": False}, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn"  # no tools: the call is text
+    assert r.json()["content"][-1] == {"type": "text", "text": f"<tool_call>{CALL_TEXT}</tool_call>"}
