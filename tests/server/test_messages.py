@@ -25,6 +25,8 @@ import transformers
 from fastapi import FastAPI
 
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.server.protocol.anthropic import CountTokensRequest
+from nanoserve.server.protocol.errors import APIError
 from nanoserve.tokenizer import Tokenizer
 
 from support.server import SERVED, make_engine, serve, wait_idle
@@ -338,3 +340,22 @@ def test_an_engine_failure_mid_stream_is_an_error_event(server: tuple[str, FastA
     r = httpx.post(f"{url}/v1/messages", json={**body, "stream": False}, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn"  # no tools: the call is text
     assert r.json()["content"][-1] == {"type": "text", "text": f"<tool_call>{CALL_TEXT}</tool_call>"}
+
+
+@pytest.mark.parametrize(("thinking", "reads", "thinks", "expected"), [
+    (None, True, True, {}),
+    ({"type": "adaptive"}, True, True, {}),
+    ({"type": "enabled", "budget_tokens": 1024}, True, True, {"enable_thinking": True}),
+    ({"type": "disabled"}, True, True, {"enable_thinking": False}),
+    ({"type": "enabled", "budget_tokens": 1024}, False, False, {}),
+    ({"type": "disabled"}, False, False, {}),
+    ({"type": "disabled"}, False, True, None),  # a model that always thinks: cannot be switched off
+])
+def test_thinking_maps_onto_the_template(thinking: Any, reads: bool, thinks: bool, expected: Any) -> None:
+    body = CountTokensRequest.model_validate({"model": SERVED, "messages": [USER], "thinking": thinking})
+    if expected is None:
+        with pytest.raises(APIError) as caught:
+            body.thinking_kwargs(reads, thinks)
+        assert caught.value.status == 400 and caught.value.param == "thinking"
+    else:
+        assert body.thinking_kwargs(reads, thinks) == expected
