@@ -19,6 +19,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 import tokenizers
 import transformers
@@ -244,6 +245,24 @@ def test_tool_choice(client: anthropic.Anthropic, server: tuple[str, FastAPI]) -
         assert r.stop_reason == "tool_use"
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("thinking", [NO_THINKING, {"type": "enabled", "budget_tokens": 1024}])
+def test_output_format(client: anthropic.Anthropic, thinking: Any) -> None:
+    """`output_config.format` constrains the answer (after the think block, which stays
+    thinking) to the schema, whatever the model would write (sampled here)."""
+    output_config = {"format": {"type": "json_schema", "schema": SCHEMA}}
+    for _ in range(2):
+        r = client.messages.create(model=SERVED, max_tokens=64, messages=[USER], thinking=thinking,
+                                   output_config=output_config, extra_body={"temperature": 1.0})
+        *thought, answer = r.content
+        assert [b.type for b in thought] == (["thinking"] if thinking["type"] == "enabled" else [])
+        assert answer.type == "text" and r.stop_reason == "end_turn"
+        jsonschema.validate(json.loads(answer.text), SCHEMA)
+
+
 def test_api_key(server: tuple[str, FastAPI]) -> None:
     """`x-api-key` is taken as well as the bearer token; without either, a 401 in Anthropic's
     shape here and in OpenAI's on the OpenAI routes."""
@@ -283,6 +302,8 @@ GOOD: dict[str, Any] = {"model": SERVED, "max_tokens": 8, "messages": [USER]}
     ({"temperature": "hot"}, 400, "temperature"),
     ({"temperature": -1.0}, 400, "temperature"),
     ({"container": "c-1"}, 400, "container"),
+    ({"output_config": {"effort": "high"}}, 400, "output_config.effort"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, 400, "nonsense"),
     ({"model": "claude-opus"}, 404, "claude-opus"),
 ])
 def test_bad_bodies(server: tuple[str, FastAPI], change: dict[str, Any], status: int, words: str) -> None:

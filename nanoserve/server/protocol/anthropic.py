@@ -13,7 +13,8 @@ message and each `tool_result` a tool message (an `is_error` result's text is wr
 with `content`, `tool_calls` and `reasoning_content`; `tools` become function tools and
 `tool_choice` auto / any / tool / none the chat's auto / required / named / none.
 `stop_sequences` are stop strings kept in the text (`include_stop_str_in_output`), so the handler
-can say which one ended the reply (`stop_sequence`) and cut it off.
+can say which one ended the reply (`stop_sequence`) and cut it off; `output_config.format` (a JSON
+schema) is the chat's `response_format` of type json_schema.
 """
 
 from __future__ import annotations
@@ -98,6 +99,21 @@ class ThinkingConfig(BaseModel):
     display: Literal["summarized"] | None = None
 
 
+class JSONOutputFormat(BaseModel):
+    model_config = _CONFIG
+    type: Literal["json_schema"]
+    schema_: dict[str, object] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """`output_config`: `format` constrains the reply's text to a JSON schema (the chat's
+    `response_format` of type json_schema); `effort` has no counterpart here (a 400 when set)."""
+
+    model_config = _CONFIG
+    format: JSONOutputFormat | None = None
+    effort: None = None
+
+
 class CountTokensRequest(BaseModel):
     """`POST /v1/messages/count_tokens`: what the prompt of a `MessagesRequest` is made of."""
 
@@ -174,12 +190,15 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, str | None] | None = None  # `user_id`, an opaque tag: changes no output
+    output_config: OutputConfig | None = None
 
     def to_chat_request(self, template_kwargs: dict[str, Any]) -> ChatCompletionRequest:
         stop = self.stop_sequences or None
+        fmt = self.output_config.format if self.output_config is not None else None
+        response_format = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_}}
         return self.to_chat(template_kwargs, max_tokens=self.max_tokens, temperature=self.temperature,
                             top_p=self.top_p, top_k=self.top_k, stop=stop,
-                            include_stop_str_in_output=True if stop else None)
+                            include_stop_str_in_output=True if stop else None, response_format=response_format)
 
 
 def _user_turn(blocks: list[Any], i: int) -> list[dict[str, Any]]:
