@@ -30,7 +30,7 @@ from nanoserve.server.protocol.anthropic import CountTokensRequest
 from nanoserve.server.protocol.errors import APIError
 from nanoserve.tokenizer import Tokenizer
 
-from support.server import SERVED, make_engine, serve, wait_idle
+from support.server import SERVED, make_engine, metric_value, pace, serve, wait_idle
 from support.successor_model import set_successors, successor_checkpoint
 from support.tool_calls import CALL, CALL_PIECES, CALL_TEXT
 
@@ -380,3 +380,30 @@ def test_thinking_maps_onto_the_template(thinking: Any, reads: bool, thinks: boo
         assert caught.value.status == 400 and caught.value.param == "thinking"
     else:
         assert body.thinking_kwargs(reads, thinks) == expected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_aborts_its_request(server: tuple[str, FastAPI], engine: LLMEngine,
+                                                 monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """Steps of 0.5 s: the client leaves after the first event (or a 0.5 s read timeout), seconds
+    before the reply's nine tokens would end it; the request is aborted and its blocks freed."""
+    url, app = server
+    pace(engine, monkeypatch, 0.5)
+    before = aborted(url)
+    body = {**GOOD, "max_tokens": 64, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+            assert next(r.iter_lines()) == "event: message_start"
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY},
+                       timeout=httpx.Timeout(60, read=0.5))
+    wait_idle(app)
+    assert aborted(url) == before + 1
+
+
+def aborted(url: str) -> float:
+    """The count of aborted requests (0 before the first: the labelled sample appears with it)."""
+    name = 'nanoserve:request_finished_total{finished_reason="abort"}'
+    metrics = httpx.get(f"{url}/metrics").text
+    return metric_value(metrics, name) if f"\n{name} " in metrics else 0.0
