@@ -112,8 +112,15 @@ class ContentBlocks:
     arguments: str = ""  # the open tool_use block's arguments text
 
     def add(self, part: ChoiceDelta) -> list[dict[str, Any]]:
-        events = self._extend("thinking", part.reasoning) + self._extend("text", part.content)
-        for call in part.calls:
+        """A delta's events in the order the text made them: its reasoning, then the rest of the
+        arguments of a call already open (text cannot come inside a call), its text, and the calls
+        it begins (text before a call comes before it)."""
+        begun = next((k for k, c in enumerate(part.calls) if c.name is not None), len(part.calls))
+        events = self._extend("thinking", part.reasoning)
+        for call in part.calls[:begun]:
+            events += self._extend("tool_use", call.arguments)
+        events += self._extend("text", part.content)
+        for call in part.calls[begun:]:
             if call.name is not None:
                 events += self._start({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
                                        "name": call.name, "input": {}})

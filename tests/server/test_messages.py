@@ -26,8 +26,11 @@ import transformers
 from fastapi import FastAPI
 
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.server.chat.output import ChoiceDelta
+from nanoserve.server.chat.tool_parsers.calls import ToolCallDelta
 from nanoserve.server.protocol.anthropic import CountTokensRequest
 from nanoserve.server.protocol.errors import APIError
+from nanoserve.server.serving_messages import ContentBlocks
 from nanoserve.tokenizer import Tokenizer
 
 from support.server import SERVED, make_engine, metric_value, pace, serve, wait_idle
@@ -407,3 +410,18 @@ def aborted(url: str) -> float:
     name = 'nanoserve:request_finished_total{finished_reason="abort"}'
     metrics = httpx.get(f"{url}/metrics").text
     return metric_value(metrics, name) if f"\n{name} " in metrics else 0.0
+
+
+def test_blocks_follow_the_order_of_the_text() -> None:
+    """A delta that ends an open call and then writes text: the call's arguments go to its block
+    before the text opens one; text before a new call comes before it."""
+    blocks = ContentBlocks()
+    events = blocks.add(ChoiceDelta("", "", [ToolCallDelta(0, "get_weather"), ToolCallDelta(0, None, '{"city": ')]))
+    events += blocks.add(ChoiceDelta("", "Done. Now:", [ToolCallDelta(0, None, '"Paris"}'), ToolCallDelta(1, "f")]))
+    events += blocks.close()
+    assert [(b["type"], b.get("text"), b.get("input")) for b in blocks.blocks] == [
+        ("tool_use", None, {"city": "Paris"}), ("text", "Done. Now:", None), ("tool_use", None, {})]
+    assert [(e["type"], e["index"]) for e in events] == [
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+        ("content_block_start", 2), ("content_block_stop", 2)]
