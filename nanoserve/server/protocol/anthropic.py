@@ -2,7 +2,8 @@
 strict pydantic models, and their translation into the chat completion request that runs them.
 
 Invariants: as in `openai`, types are strict, `null` means unset and unknown fields are kept in
-`model_extra`, where the handler refuses them (a 400 naming the field). Content blocks are told
+`model_extra`, where the handler refuses them (a 400 naming the field; in a nested part, such as a
+block or a tool, its validation does: `_Part`). Content blocks are told
 apart by their `type`; a block nanoserve does not take (image, document, redacted_thinking, a
 server tool) is a 400 naming where it is. `cache_control` is taken wherever Anthropic takes it and
 asks for nothing more: the prefix cache reuses every cached prefix unasked.
@@ -19,9 +20,9 @@ schema) is the chat's `response_format` of type json_schema.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nanoserve.server.protocol.errors import APIError
 from nanoserve.server.protocol.openai import ChatCompletionRequest
@@ -29,15 +30,27 @@ from nanoserve.server.protocol.openai import ChatCompletionRequest
 _CONFIG = ConfigDict(strict=True, extra="allow")
 
 
-class TextBlock(BaseModel):
+class _Part(BaseModel):
+    """A model nested in a request body: a field it does not know is a 400 naming it (unless sent
+    as null), as the request's own unknown fields are (`Serving.check_request`)."""
+
     model_config = _CONFIG
+
+    @model_validator(mode="after")
+    def _known_fields_only(self) -> Self:
+        unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
+        if unknown:
+            raise ValueError(f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+        return self
+
+
+class TextBlock(_Part):
     type: Literal["text"]
     text: str
     cache_control: dict[str, object] | None = None
 
 
-class ToolUseBlock(BaseModel):
-    model_config = _CONFIG
+class ToolUseBlock(_Part):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -45,8 +58,7 @@ class ToolUseBlock(BaseModel):
     cache_control: dict[str, object] | None = None
 
 
-class ToolResultBlock(BaseModel):
-    model_config = _CONFIG
+class ToolResultBlock(_Part):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -54,8 +66,7 @@ class ToolResultBlock(BaseModel):
     cache_control: dict[str, object] | None = None
 
 
-class ThinkingBlock(BaseModel):
-    model_config = _CONFIG
+class ThinkingBlock(_Part):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
@@ -64,16 +75,14 @@ class ThinkingBlock(BaseModel):
 ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
-class Message(BaseModel):
-    model_config = _CONFIG
+class Message(_Part):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
-class Tool(BaseModel):
+class Tool(_Part):
     """A client tool (Anthropic's server tools have other `type`s: a 400)."""
 
-    model_config = _CONFIG
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, object]
@@ -81,35 +90,31 @@ class Tool(BaseModel):
     cache_control: dict[str, object] | None = None
 
 
-class ToolChoice(BaseModel):
-    model_config = _CONFIG
+class ToolChoice(_Part):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(BaseModel):
+class ThinkingConfig(_Part):
     """`enabled` and `disabled` switch the chat template's `enable_thinking` (where the template
     reads it); `adaptive` leaves the template's default. `budget_tokens` is taken, as Anthropic
     describes it, as a target: the reply's thinking is bounded by `max_tokens` only."""
 
-    model_config = _CONFIG
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1)
     display: Literal["summarized"] | None = None
 
 
-class JSONOutputFormat(BaseModel):
-    model_config = _CONFIG
+class JSONOutputFormat(_Part):
     type: Literal["json_schema"]
     schema_: dict[str, object] = Field(alias="schema")
 
 
-class OutputConfig(BaseModel):
+class OutputConfig(_Part):
     """`output_config`: `format` constrains the reply's text to a JSON schema (the chat's
     `response_format` of type json_schema); `effort` has no counterpart here (a 400 when set)."""
 
-    model_config = _CONFIG
     format: JSONOutputFormat | None = None
     effort: None = None
 
