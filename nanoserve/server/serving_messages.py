@@ -2,9 +2,11 @@
 
 A request is translated into a chat completion request (`protocol.anthropic`), started by
 `serving_chat.start_chat` and its one reply written in Anthropic's wire format. The reply's text
-goes through the chat output parsers (`chat.output`) and becomes content blocks in the order it
-makes them (`ContentBlocks`): `thinking` (the think block, with a reasoning parser), `text`, and a
-`tool_use` per call (with tools). Thinking blocks carry an empty `signature`: nanoserve signs
+goes through the chat output parsers (`chat.output`) and becomes content blocks (`ContentBlocks`):
+`thinking` (the think block, with a reasoning parser), `text`, and a `tool_use` per call (with
+tools). A stream's blocks follow the text (text written between two calls is a block between
+them); a non-streamed reply, parsed whole, has its thinking, then all its text in one block, then
+its calls. Thinking blocks carry an empty `signature`: nanoserve signs
 nothing. A call cut short by `max_tokens` keeps the arguments text generated so far in a stream's
 `input_json_delta`s; a non-streamed one, whose `input` must be an object, gets `{}`.
 
