@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI routes, /health, /metrics, /tokenize, /detokenize, /server_info, auth and
-errors.
+"""The FastAPI app: OpenAI routes, the Anthropic Messages routes, /health, /metrics, /tokenize,
+/detokenize, /server_info, auth and errors.
 
 `build_app` is the only way to get an app; everything the routes share (the engine core's front
 end, metrics registry, model name) lives in the app it builds, never at module level. The engine
@@ -7,7 +7,7 @@ core (a thread or a process) starts and stops with the app's lifespan; `app.stat
 `AsyncEngine` (tests read its `snapshot` to check that the KV pool is free again).
 
 The POST routes read their bodies themselves (`_parse`: JSON whatever the Content-Type, strict
-types, OpenAI-shaped 400s); `/openapi.json` still documents each body, by its pydantic model
+types, 400s in the route's error shape); `/openapi.json` still documents each body, by its pydantic model
 (`_document_bodies`), so `/docs` and generated clients see every field.
 """
 
@@ -34,7 +34,8 @@ from nanoserve.runtime.engine_core import EngineState
 from nanoserve.runtime.metrics import Metrics
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS
-from nanoserve.server.protocol.errors import APIError, error_body, install_error_handlers, invalid_request
+from nanoserve.server.protocol.anthropic import CountTokensRequest, MessagesRequest
+from nanoserve.server.protocol.errors import APIError, anthropic_route, install_error_handlers, invalid_request
 from nanoserve.server.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +46,7 @@ from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.serving import PromptGate, Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
+from nanoserve.server.serving_messages import count_tokens, create_message
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
 from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S, PromptLimits
@@ -121,21 +123,22 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     app.state.engine = async_engine
     install_error_handlers(app)
     if config.api_key:
-        app.add_middleware(BearerAuth, api_key=config.api_key)
+        app.add_middleware(APIKeyAuth, api_key=config.api_key)
     if config.allowed_origins:  # added last, so it runs first: preflights never meet the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     _add_routes(app, serving, metrics)
     register_pages(app)
     _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+                           "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest})
     register_dashboard(app, async_engine)
     return app
 
 
 def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
     """Makes `app.openapi()` describe each route's JSON body by its model (the routes parse bodies
-    themselves, so FastAPI cannot see them), and the OpenAI-shaped 400 every body can get."""
+    themselves, so FastAPI cannot see them), and the 400 every body can get, in its route's shape."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -147,13 +150,18 @@ def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
                 "type": "object", "required": ["message", "type"],
                 "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                                "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+            schemas["AnthropicErrorResponse"] = {"type": "object", "required": ["type", "error"], "properties": {
+                "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+                    "type": {"type": "string"}, "message": {"type": "string"}}}}}
             error = {"description": "an invalid request (`error.param` names the field)",
                      "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            anthropic_error = {"description": "an invalid request", "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorResponse"}}}}
             for path, model in bodies.items():
                 operation = spec["paths"][path]["post"]
                 operation["requestBody"] = {"required": True, "content": {
                     "application/json": {"schema": refs[(model, "validation")]}}}
-                operation.setdefault("responses", {})["400"] = error
+                operation.setdefault("responses", {})["400"] = anthropic_error if anthropic_route(path) else error
             app.openapi_schema = spec
         return app.openapi_schema
 
@@ -211,6 +219,14 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
     async def completions(request: Request) -> Response:
         return await create_completion(serving, await _parse(request, CompletionRequest), request)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await create_message(serving, await _parse(request, MessagesRequest), request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(serving, await _parse(request, CountTokensRequest))
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         body = await _parse(request, TokenizeRequest)
@@ -248,23 +264,26 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
         raise invalid_request(e.errors()) from e
 
 
-class BearerAuth:
-    """ASGI middleware: `Authorization: Bearer <api_key>` on /v1/*, /tokenize, /detokenize and
-    /dashboard/stats, compared in constant time; /health, /metrics, the docs and the pages' static
-    files stay open."""
+class APIKeyAuth:
+    """ASGI middleware: the API key, as `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
+    (Anthropic's header), on /v1/*, /tokenize, /detokenize and /dashboard/stats; both headers are
+    compared in constant time, every time. /health, /metrics, the docs and the pages' static files
+    stay open. A 401 takes the error shape of the route asked for."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _guarded(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                body = error_body(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
-                                  code="invalid_api_key")
-                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self._bearer)
+            key = hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)
+            if not (bearer | key):
+                error = APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>` or "
+                                 "`x-api-key: <key>`", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

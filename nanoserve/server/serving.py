@@ -234,12 +234,13 @@ def engine_error(error: EngineError) -> APIError:
     return APIError(status, str(error), code="engine_unavailable" if status == 503 else "engine_error")
 
 
-def stream_error(error: Exception) -> dict[str, Any]:
-    """The error event that ends a stream that had already started."""
+def stream_error(error: Exception, path: str = "") -> dict[str, Any]:
+    """The error event that ends a stream that had already started, in the shape of the route at
+    `path` (see `APIError.body`)."""
     if isinstance(error, EngineError):
-        return engine_error(error).body()
+        return engine_error(error).body(path)
     log.error("a stream failed", exc_info=error)
-    return APIError(500, f"internal server error: {type(error).__name__}").body()
+    return APIError(500, f"internal server error: {type(error).__name__}").body(path)
 
 
 @dataclass(slots=True)

@@ -61,10 +61,7 @@ async def prepare_chat(serving: Serving, info: EngineInfo,
     tok = info.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer")
-    messages = [m.to_template() for m in body.messages]
-    ids = await serving.prompts.encode_chat(tok, info.limits, messages,
-                                            add_generation_prompt=body.add_generation_prompt is not False,
-                                            tools=body.template_tools(), **body.template_kwargs())
+    ids = await render_chat(serving, info, body)
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
         max_tokens = max(info.limits.max_tokens_in_pool - len(ids), 1)
@@ -72,6 +69,18 @@ async def prepare_chat(serving: Serving, info: EngineInfo,
     resolve_bad_words(params, tok)
     validate_prompt(info.limits, ids, params, "messages")
     return ids, params
+
+
+async def render_chat(serving: Serving, info: EngineInfo, body: ChatCompletionRequest) -> list[int]:
+    """The prompt ids of a chat request: its messages and tools through the chat template, rendered
+    and tokenized in the prompt workers (a 400 naming `messages` for what the template refuses or
+    for a conversation too long to fit)."""
+    tok = info.tokenizer
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer")
+    return await serving.prompts.encode_chat(tok, info.limits, [m.to_template() for m in body.messages],
+                                             add_generation_prompt=body.add_generation_prompt is not False,
+                                             tools=body.template_tools(), **body.template_kwargs())
 
 
 # Prompt tokens read to see whether the template left a think block open (or closed it empty).

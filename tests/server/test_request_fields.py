@@ -251,7 +251,8 @@ def test_openapi_documents_every_request_body(url: str) -> None:
     spec = httpx.get(f"{url}/openapi.json").json()
     schemas = spec["components"]["schemas"]
     for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
-                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest"),
+                        ("/v1/messages", "MessagesRequest"), ("/v1/messages/count_tokens", "CountTokensRequest")):
         post = spec["paths"][path]["post"]
         body = post["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
@@ -259,6 +260,9 @@ def test_openapi_documents_every_request_body(url: str) -> None:
     for field in ("logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "prompt_logprobs"):
         assert field in schemas["CompletionRequest"]["properties"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    anthropic_error = spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]
+    assert anthropic_error["schema"] == {"$ref": "#/components/schemas/AnthropicErrorResponse"}
+    assert {"max_tokens", "messages", "model"} <= set(schemas["MessagesRequest"]["required"])
 
 
 @pytest.mark.slow
@@ -287,7 +291,7 @@ def test_schemathesis_finds_no_server_error(url: str) -> None:
 
         check()
         tried += 1
-    assert tried == 4
+    assert tried == 6
 
 
 # ---- every field of the current request bodies ----

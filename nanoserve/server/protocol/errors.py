@@ -1,8 +1,10 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""Error bodies: OpenAI's `{"error": {"message", "type", "param", "code"}}` for every failure, except
+on the Anthropic Messages routes (`/v1/messages` and below, `anthropic_route`), which answer in
+Anthropic's `{"type": "error", "error": {"type", "message"}}`.
 
 Handlers raise `APIError`; the handlers installed by `install_error_handlers` turn it, pydantic
 validation errors (400, with the offending field as `param`), routing errors (404, 405) and
-unexpected exceptions (500) into that shape.
+unexpected exceptions (500) into the shape of the route the request was for.
 """
 
 from __future__ import annotations
@@ -18,11 +20,25 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger(__name__)
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"
 
 
 def error_type(status: int) -> str:
     """The OpenAI `type` for an HTTP status."""
     return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_route(path: str) -> bool:
+    """Whether `path` is one of the Anthropic Messages routes, whose errors take Anthropic's shape."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body; its `type` follows the status as Anthropic's API sets it."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class APIError(Exception):
@@ -37,11 +53,14 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The error body in the shape of the route at `path` (OpenAI's unless `anthropic_route`)."""
+        if anthropic_route(path):
+            return anthropic_error_body(self.status, self.message)
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 def error_body(status: int, message: str, *, param: str | None = None,
@@ -77,27 +96,28 @@ def invalid_request(errors: list[Any]) -> APIError:
     return APIError(400, "invalid request: " + "; ".join(shown[:5]), param=param)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return invalid_request(list(exc.errors())).response()
+    return invalid_request(list(exc.errors())).response(request.url.path)
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     status = exc.status_code
     message = f"no route {request.method} {request.url.path}" if status in (404, 405) else str(exc.detail)
-    return JSONResponse(error_body(status, message, code="not_found" if status == 404 else None),
-                        status_code=status, headers=exc.headers)
+    headers = dict(exc.headers) if exc.headers else None
+    error = APIError(status, message, code="not_found" if status == 404 else None, headers=headers)
+    return error.response(request.url.path)
 
 
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error while serving a request", exc_info=exc)
-    return APIError(500, f"internal server error: {type(exc).__name__}").response()
+    return APIError(500, f"internal server error: {type(exc).__name__}").response(request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

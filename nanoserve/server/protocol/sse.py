@@ -1,4 +1,5 @@
-"""Server-sent events as OpenAI streams them: `data: {json}\\n\\n` per event, `data: [DONE]\\n\\n` last.
+"""Server-sent events as OpenAI streams them: `data: {json}\\n\\n` per event, `data: [DONE]\\n\\n` last
+(Anthropic's: `named_event`).
 
 While a stream is silent for `keep_alive_s` (a long prefill, a full queue), a comment line
 `: keep-alive` goes out, as often as that, so proxies and clients with read timeouts keep the
@@ -22,6 +23,11 @@ DEFAULT_KEEP_ALIVE_S = 15.0
 
 def event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def named_event(name: str, payload: Any) -> bytes:
+    """An event with an `event:` line, as Anthropic's streams carry one per event (no [DONE])."""
+    return b"event: " + name.encode() + b"\n" + event(payload)
 
 
 class SSEResponse(StreamingResponse):
