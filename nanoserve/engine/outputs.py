@@ -43,6 +43,10 @@ class SequenceDelta:
     # With `prompt_logprobs`, in the first delta of the request's first sample only: one entry per
     # prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # Drafts from the request's `prediction` verified in this delta: accepted (and in token_ids),
+    # and rejected (computed, not output).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def finished(self) -> bool:
