@@ -10,7 +10,9 @@ Workloads:
   speculation, if any, where it has none). The prediction differs from the answer by a few small
   edits: it is the model's own greedy answer with five edits (three tokens replaced by two,
   spread over it), since the demo model cannot edit code; with a model that can, the original
-  file is such a prediction of the edited one. Acceptance and speed depend only on that relation.
+  file is such a prediction of the edited one. Acceptance and speed depend only on that relation;
+- `edit-file`: the same prompts, predicted by the file they quote (what a client sends): the
+  demo model's answer does not follow it, so this measures what a wrong prediction costs.
 
 The plain and the speculative engine run the same requests interleaved, a step of one then a step
 of the other, each step timed: on a shared machine the speed of one core moves by tens of percent
@@ -79,13 +81,13 @@ def validate(items):
 _EDITS = ("Rename `Item` to `Record`", "Rename `load_items` to `read_items`", "Rename `errors` to `problems`",
           "Rename `total` to `value`", "Rename `rows` to `records`", "Rename `validate` to `check`",
           "Rename `count` to `quantity`", "Rename `price` to `unit_price`")
-WORKLOADS = ("chat", "repeat", "edit")
+WORKLOADS = ("chat", "repeat", "edit", "edit-file")
 
 
 def workload_messages(kind: str, n: int) -> list[list[dict[str, str]]]:
     if kind == "chat":
         return [[{"role": "user", "content": _QUESTIONS[i % len(_QUESTIONS)]}] for i in range(n)]
-    if kind == "edit":
+    if kind.startswith("edit"):
         return [[{"role": "user", "content": f"{_EDITS[i % len(_EDITS)]} in this file and write the whole file "
                                              f"again:\n```python\n{_CODE_FILE}```"}] for i in range(n)]
     return [[{"role": "user", "content": "Repeat this text exactly:\n" + _PASSAGES[i % len(_PASSAGES)] * 3}]
@@ -154,10 +156,10 @@ def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> l
     builds a fresh plain and a fresh speculative engine (neither inherits cache state) and runs the
     requests on both, interleaved step by step (`_interleaved`); each rate is the median of its
     rounds and the speed-up the median of the rounds' ratios. Greedy decoding makes every
-    speculative run accept the same drafts; acceptance is that of the last one. The `edit` workload
-    compares runs without and with a prediction, on the same engine arguments (speculation is
+    speculative run accept the same drafts; acceptance is that of the last one. The `edit` workloads
+    compare runs without and with a prediction, on the same engine arguments (speculation is
     optional there)."""
-    predicting = cfg.workload == "edit"
+    predicting = cfg.workload.startswith("edit")
     if cfg.args.spec_method is None and not predicting:
         raise ValueError("give --speculative-model or --speculative-method ngram")
     if cfg.repeats < 1:
@@ -179,8 +181,10 @@ def run_spec_bench(cfg: SpecBenchConfig, loaded: LoadedModel | None = None) -> l
             for engine in engines:
                 _interleaved([engine], prompts[:1], 4)  # warm-up
                 engine.spec_stats = SpecStats()
-            if predicting and predictions is None:
+            if cfg.workload == "edit" and predictions is None:
                 predictions = [None, [edited(a) for a in _answers(engines[0], prompts, cfg.max_tokens)]]
+            elif cfg.workload == "edit-file":
+                predictions = [None, [loaded.tokenizer.encode(_CODE_FILE, add_special_tokens=False)] * batch]
             timed = _interleaved(engines, prompts, cfg.max_tokens, predictions)
             for speculating, (elapsed, tokens) in zip((False, True), timed, strict=True):
                 rates[speculating].append(tokens / elapsed)

@@ -20,7 +20,9 @@ def register_spec(kinds: argparse._SubParsersAction) -> None:
     add_model_arg(s)
     s.add_argument("--workload", choices=WORKLOADS, default="chat",
                    help="chat: short questions; repeat: the answer copies a passage quoted in the prompt; "
-                        "edit: small edits to a code file, without and with a prediction")
+                        "edit: small edits to a code file, without and with a prediction (the answer with five "
+                        "small edits); "
+                        "edit-file: the same, predicted by the file itself")
     s.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=3,
@@ -37,7 +39,7 @@ def run_spec(ns: argparse.Namespace) -> int:
     cfg = SpecBenchConfig(engine_args_from(ns), ns.workload, tuple(ns.batch_sizes), ns.max_tokens, ns.repeats)
     rows = run_spec_bench(cfg)
     method = cfg.args.speculative_model or cfg.args.spec_method
-    if cfg.workload == "edit":
+    if cfg.workload.startswith("edit"):
         method = f"prediction (server speculation: {method})"
     print(f"speculation={method} k={cfg.args.num_speculative_tokens} workload={cfg.workload} "
           f"max_tokens={cfg.max_tokens} repeats={cfg.repeats} (medians)\n")

@@ -13,8 +13,11 @@ it is the prediction's next one). When the output leaves the prediction (an edit
 found again by prompt lookup restricted to the prediction (Saxena 2023, "prompt lookup
 decoding"): the longest suffix of the sequence (up to `max_n` tokens) that occurs in the
 prediction, taking the first such occurrence at or after the old cursor (an edit is local, and
-the text after it is further on), else the last one before it. So the drafts re-synchronise a
-few tokens after an edit ends.
+the text after it is further on), else the last one before it. A match shorter than `min_n`
+(2 by default) proposes nothing: single tokens (a newline, an indent) occur all over a code file,
+and drafts after them are mostly rejected, each costing a row of the verification pass, so a
+prediction the output does not follow at all would otherwise slow it down. So the drafts
+re-synchronise two tokens after an edit ends.
 
 Invariant: a sequence's state exists from its first proposal until `release`; its `next` is the
 index in the prediction of the token expected to come next, valid when the sequence's last token
@@ -42,10 +45,10 @@ class PredictionProposer:
     """Drafts from each sequence's `params.prediction_token_ids` (a `spec_decode.Proposer`); its
     drafts are point masses (q = None), verified exactly for greedy and sampled requests alike."""
 
-    def __init__(self, max_n: int = 16) -> None:
-        if max_n < 1:
-            raise ValueError(f"max_n must be at least 1, got {max_n}")
-        self.max_n = max_n
+    def __init__(self, max_n: int = 16, min_n: int = 2) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
         self._cursors: dict[Sequence, _Cursor] = {}
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Proposal]:
@@ -60,7 +63,7 @@ class PredictionProposer:
         if cursor.next < len(pred) and pred[cursor.next] == last:
             cursor.next += 1  # the output follows the prediction
         else:
-            found = match(pred, seq.all_token_ids, cursor.next, self.max_n)
+            found = match(pred, seq.all_token_ids, cursor.next, self.max_n, self.min_n)
             if found is None:
                 cursor.start = None
                 return []
@@ -79,21 +82,22 @@ class PredictionProposer:
         self._cursors.pop(seq, None)
 
 
-def match(prediction: np.ndarray, tokens: list[int], hint: int, max_n: int) -> int | None:
+def match(prediction: np.ndarray, tokens: list[int], hint: int, max_n: int, min_n: int = 1) -> int | None:
     """The index in `prediction` just after an occurrence of the longest suffix of `tokens` (at
     most `max_n` tokens) found in it: the first occurrence ending at or after `hint - 1`, else the
-    last one; None when the last token does not occur in it.
+    last one; None when that suffix is shorter than `min_n` (or the last token does not occur).
 
     Candidates are the positions holding the last token, narrowed one suffix token at a time
     while any survive, so only those few positions are compared, never whole windows."""
     ends = np.flatnonzero(prediction == tokens[-1])
+    n = 1
     for j in range(1, min(max_n, len(tokens))):
         ends_j = ends[ends >= j]
         longer = ends_j[prediction[ends_j - j] == tokens[-1 - j]]
         if longer.size == 0:
             break
-        ends = longer
-    if ends.size == 0:
+        ends, n = longer, j + 1
+    if ends.size == 0 or n < min_n:
         return None
     ahead = ends[ends >= hint - 1]
     return int(ahead[0] if ahead.size else ends[-1]) + 1

@@ -285,7 +285,7 @@ def test_guidellm_runs_against_our_server(tmp_path, server_url, demo_dir):
 
 @pytest.mark.parametrize("speculation", [["--speculative-method", "ngram", "--workload", "repeat"],
                                          ["--speculative-model", "DRAFT", "--workload", "chat"],
-                                         ["--workload", "edit"]])
+                                         ["--workload", "edit"], ["--workload", "edit-file"]])
 def test_spec_bench(tmp_path, capsys, speculation):
     """`bench spec`: plain and speculative runs alternate, medians are reported with every run's rate,
     the speed-up is the median of the ratios of each pair of runs, and the acceptance figures come

@@ -18,10 +18,12 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.model import load_model
 
 
-def _brute_force_match(prediction: list[int], tokens: list[int], hint: int, max_n: int) -> int | None:
-    """`match` by its definition: the longest suffix of `tokens` (n <= max_n) occurring in the
-    prediction; after its first occurrence ending at or after hint - 1, else after its last."""
+def _brute_force_match(prediction: list[int], tokens: list[int], hint: int, max_n: int, min_n: int) -> int | None:
+    """`match` by its definition: the longest suffix of `tokens` (min_n <= n <= max_n) occurring
+    in the prediction; after its first occurrence ending at or after hint - 1, else after its last."""
     for n in range(min(max_n, len(tokens)), 0, -1):
+        if n < min_n:
+            return None
         ends = [e for e in range(n - 1, len(prediction)) if prediction[e - n + 1 : e + 1] == tokens[-n:]]
         if ends:
             ahead = [e for e in ends if e >= hint - 1]
@@ -29,21 +31,22 @@ def _brute_force_match(prediction: list[int], tokens: list[int], hint: int, max_
     return None
 
 
-@pytest.mark.parametrize("max_n", [1, 3, 16])
-def test_match_follows_its_definition(max_n):
-    rng = random.Random(max_n)
+@pytest.mark.parametrize(("max_n", "min_n"), [(1, 1), (3, 1), (16, 1), (16, 2), (4, 3)])
+def test_match_follows_its_definition(max_n, min_n):
+    rng = random.Random(max_n * 10 + min_n)
     for _ in range(500):
         vocab = rng.choice([2, 3, 8])
         prediction = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
         tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]
         hint = rng.randrange(len(prediction) + 1)
-        got = match(np.asarray(prediction, dtype=np.int64), tokens, hint, max_n)
-        assert got == _brute_force_match(prediction, tokens, hint, max_n)
+        got = match(np.asarray(prediction, dtype=np.int64), tokens, hint, max_n, min_n)
+        assert got == _brute_force_match(prediction, tokens, hint, max_n, min_n)
 
 
 def test_cursor_follows_the_output_and_resyncs_after_an_edit():
     """Drafts continue the prediction while the output follows it; after an edit (tokens not in the
-    prediction) the first token that matches again puts the drafts back on the prediction's text."""
+    prediction) the first two tokens that match again put the drafts back on the prediction's text
+    (one alone does not: min_n = 2)."""
     prediction = list(range(100, 130))
     seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=64, prediction_token_ids=prediction), 0)
     proposer = PredictionProposer()
@@ -59,7 +62,8 @@ def test_cursor_follows_the_output_and_resyncs_after_an_edit():
     proposer.accepted(seq, 1)  # 106 accepted, then an edit: 7 instead of 107
     assert step(106, 7) == []  # 7 is nowhere in the prediction
     assert step(8) == []
-    assert step(110) == [111, 112, 113, 114]  # back on the prediction after the edit
+    assert step(110) == []  # one token of the prediction: not yet
+    assert step(111) == [112, 113, 114, 115]  # back on the prediction after the edit
     proposer.release(seq)
     assert not proposer._cursors
 
@@ -145,12 +149,13 @@ def test_sampled_output_keeps_the_target_distribution(target):
         first = topk_probs(hf(torch.tensor([prompt])).logits[0, -1])
         second = {a: topk_probs(hf(torch.tensor([[*prompt, a]])).logits[0, -1]) for a in first}
     joint = {(a, b): pa * pb for a, pa in first.items() for b, pb in second[a].items()}
-    # After each likely first token, the prediction goes on with a likely second one (the most
-    # likely after the first, the least likely after the others): accepted, rejected, or replaced.
+    # After the prompt's last token and each likely first token, the prediction goes on with a
+    # likely second one (the most likely after the first, the least likely after the others):
+    # accepted, rejected, or replaced.
     prediction: list[int] = []
     for i, a in enumerate(first):
         ranked = sorted(second[a], key=second[a].__getitem__, reverse=True)
-        prediction += [a, ranked[0] if i == 0 else ranked[-1]]
+        prediction += [prompt[-1], a, ranked[0] if i == 0 else ranked[-1]]
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, prediction_token_ids=prediction)
     engine = LLM(loaded=target, max_model_len=64, max_num_seqs=512, seed=1).engine
     outs, accepted, rejected = _run(engine, [prompt] * 500, [params] * 500)
