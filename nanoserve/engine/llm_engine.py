@@ -209,8 +209,6 @@ class LLMEngine:
         if self.tokenizer is not None:
             resolve_bad_words(params, self.tokenizer)
             resolve_prediction(params, self.tokenizer)
-        elif params.prediction is not None and params.prediction_token_ids is None:
-            raise ValueError("prediction needs the model's tokenizer (or prediction_token_ids)")
         group = _Group([], [])
         for i in range(params.n):
             seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals), index=i, priority=priority)

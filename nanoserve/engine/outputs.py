@@ -235,3 +235,7 @@ class EngineLimits:
             raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size})")
         if params.bad_words and not self.detokenizes:
             raise ValueError("bad_words need a tokenizer")
+        if params.prediction is not None and params.prediction_token_ids is None and not self.detokenizes:
+            raise ValueError("prediction needs a tokenizer (or prediction_token_ids)")
+        if any(not 0 <= t < self.vocab_size for t in params.prediction_token_ids or ()):
+            raise ValueError(f"prediction token ids must be in [0, {self.vocab_size})")

@@ -16,6 +16,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.prediction import PredictionProposer, match
 from nanoserve.engine.sequence import Sequence
 from nanoserve.model import load_model
+from nanoserve.runtime.stand_in import stand_in_engine, stand_in_generate
 
 
 def _brute_force_match(prediction: list[int], tokens: list[int], hint: int, max_n: int, min_n: int) -> int | None:
@@ -66,6 +67,27 @@ def test_cursor_follows_the_output_and_resyncs_after_an_edit():
     assert step(111) == [112, 113, 114, 115]  # back on the prediction after the edit
     proposer.release(seq)
     assert not proposer._cursors
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_edited_predictions_are_exact_on_the_stand_in(block_size):
+    """Twelve requests at once, each predicted by its own answer with small edits, on an engine
+    without a proposer: outputs equal the stand-in's reference, most drafts accepted, blocks
+    rolled back after rejections and all returned. A text prediction needs a tokenizer."""
+    rng = random.Random(block_size)
+    prompts = [[rng.randrange(64) for _ in range(rng.randrange(3, 40))] for _ in range(12)]
+    engine = stand_in_engine(vocab_size=64, block_size=block_size, num_kv_blocks=400, max_model_len=128)
+    assert engine.proposer is None
+    answers = [stand_in_generate(p, 40, 64) for p in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prediction_token_ids=_edited(a, rng))
+              for a in answers]
+    outputs, accepted, rejected = _run(engine, prompts, params)
+    assert outputs == answers
+    # At most 4 in 5 of the 39 tokens after the first are accepted drafts (k = 4), less a few
+    # around each of the three edits.
+    assert accepted > 0.4 * 40 * len(prompts) and rejected > 0
+    with pytest.raises(ValueError, match="prediction needs a tokenizer"):
+        engine.add_request("text", [1, 2], SamplingParams(prediction="some text"))
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +203,11 @@ def test_prediction_text_is_tokenized_and_composes_with_the_limits(target):
     (out,), accepted, _ = _run(llm.engine, [prompt], [params])
     assert out == plain[:10]
     assert params.prediction_token_ids is not None and accepted <= 9
+
+
+def test_prediction_token_ids_out_of_the_vocabulary_are_refused(target):
+    engine = LLM(loaded=target, max_model_len=128).engine
+    bad = SamplingParams(temperature=0, max_tokens=4, prediction_token_ids=[5, engine.vocab_size])
+    with pytest.raises(ValueError, match="prediction token ids must be in"):
+        engine.add_request("r", [1, 2, 3], bad)
+    assert not engine.has_unfinished()
