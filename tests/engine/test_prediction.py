@@ -119,18 +119,22 @@ def _edited(tokens: list[int], rng: random.Random) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("spec", [{}, {"speculative_method": "ngram"}])
-def test_greedy_output_is_the_same_whatever_the_prediction(target, spec):
-    """Greedy, several requests batched, with and without a server-wide proposer: a prediction
-    equal to the output is accepted almost whole; an edited one is accepted after each edit again;
-    a wrong one only costs rejections. Every output equals plain decoding's; every block returns."""
+@pytest.mark.parametrize("spec", ["none", "ngram", "draft"])
+def test_greedy_output_is_the_same_whatever_the_prediction(target, make_checkpoint, spec):
+    """Greedy, several requests batched, with and without a server-wide proposer (n-gram, or a
+    draft model that drafts where the prediction has nothing to offer and catches up after): a
+    prediction equal to the output is accepted almost whole; an edited one is accepted after each
+    edit again; a wrong one only costs rejections. Every output equals plain decoding's; every
+    block returns, the draft model's too."""
     rng = random.Random(3)
     prompts = [[rng.randrange(1000) for _ in range(n)] for n in (5, 17, 33)]
     max_tokens = 48
     plain_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(loaded=target, max_model_len=256).generate(prompts, plain_params)]
-    engine = LLM(loaded=target, max_model_len=256, block_size=4, **spec).engine
-    assert (engine.proposer is None) == (not spec)
+    spec_args = {"none": {}, "ngram": {"speculative_method": "ngram"},
+                 "draft": {"speculative_model": str(make_checkpoint("llama", num_hidden_layers=1))}}[spec]
+    engine = LLM(loaded=target, max_model_len=256, block_size=4, **spec_args).engine
+    assert (engine.proposer is None) == (spec == "none")
 
     def with_prediction(predictions: list[list[int]]) -> tuple[list[list[int]], int, int]:
         params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prediction_token_ids=p)
@@ -151,6 +155,23 @@ def test_greedy_output_is_the_same_whatever_the_prediction(target, spec):
     wrong, accepted, rejected = with_prediction([p[::-1] for p in plain])
     assert wrong == plain
     assert rejected > max(accepted, 10)
+    if spec == "draft":
+        draft_pool = engine.proposer.kv.pool  # type: ignore[union-attr]
+        assert draft_pool.num_free == draft_pool.num_blocks
+
+
+def test_constrained_sequences_get_no_prediction_drafts(target):
+    """Structured output keeps its rule (no drafts: its mask would have to follow each draft): a
+    prediction changes nothing, and counts nothing."""
+    from nanoserve.engine.sampling_params import StructuredOutputs
+
+    engine = LLM(loaded=target, max_model_len=128).engine
+    regex = StructuredOutputs(regex="[a-z]{20}")
+    (plain,), _, _ = _run(engine, [[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=24, structured=regex)])
+    params = SamplingParams(temperature=0, max_tokens=24, structured=regex, prediction_token_ids=plain)
+    (out,), accepted, rejected = _run(engine, [[5, 6, 7]], [params])
+    assert out == plain and len(plain) > 2  # decode steps that would have drafted
+    assert accepted == rejected == engine.spec_stats.proposed == 0
 
 
 @pytest.mark.slow
