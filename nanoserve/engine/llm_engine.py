@@ -35,7 +35,8 @@ from nanoserve.engine.outputs import (
     SequenceProgress,
     StepOutput,
 )
-from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
+from nanoserve.engine.prediction import PredictionProposer
+from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words, resolve_prediction
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.spec_decode import Proposer, SpecStats
@@ -65,7 +66,9 @@ class LLMEngine:
         """`runner`: over a KV pool of `num_blocks` blocks of `args.block_size` tokens; `args`
         resolved (max_model_len set). `tokenizer=None` skips detokenization (token ids only; stop
         strings then unsupported). With a `proposer`, decoding sequences verify up to
-        `args.num_speculative_tokens` drafts a step. `sampling_defaults`: SamplingParams fields
+        `args.num_speculative_tokens` drafts a step; so do sequences with a `prediction`, with or
+        without one (their drafts come from the prediction, and from the proposer only in steps
+        where the prediction has none to offer). `sampling_defaults`: SamplingParams fields
         front ends fill in when a request leaves them unset (the model's generation config)."""
         if args.max_model_len is None:
             raise ValueError("the engine takes resolved EngineArgs (max_model_len set)")
@@ -87,6 +90,8 @@ class LLMEngine:
                                    reserve_blocks=self.kv.reserve_blocks, vocab_size=runner.vocab_size,
                                    detokenizes=tokenizer is not None)
         self.proposer = proposer
+        self.predictions = PredictionProposer()
+        self._predicted: set[Sequence] = set()  # sequences whose pending drafts came from their prediction
         # Structured output needs the tokenizer (the grammar is over its tokens' bytes).
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer)
         runner.grammars = self.grammars
@@ -203,6 +208,7 @@ class LLMEngine:
         self._check(prompt_ids, params)
         if self.tokenizer is not None:
             resolve_bad_words(params, self.tokenizer)
+            resolve_prediction(params, self.tokenizer)
         group = _Group([], [])
         for i in range(params.n):
             seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals), index=i, priority=priority)
@@ -261,8 +267,7 @@ class LLMEngine:
             self._release_grammar(seq)
             self._prompt_logprobs.pop(seq, None)
             self.runner.release(seq)
-            if self.proposer is not None:
-                self.proposer.release(seq)
+            self._release_drafter(seq)
         return True
 
     def close(self) -> None:
@@ -282,20 +287,23 @@ class LLMEngine:
         failed, self._failed = self._failed, {}
         started = self.live_stats.now()
         plan = self.scheduler.schedule()
-        if self.proposer is not None:
-            for seq in plan.preempted:
-                self.proposer.release(seq)
+        for seq in plan.preempted:
+            self._release_drafter(seq)
         if not plan.scheduled:
             return StepOutput([], failed=failed)
         start = self.live_stats.step_started(plan, started)
         result = self.runner.execute(plan)
         rejected = {}
+        from_prediction: dict[Sequence, int] = {}  # sequence -> its prediction drafts verified this step
         for seq, kept in result.verified:
             rejected[seq] = seq.num_draft_tokens + 1 - len(kept)
             self.spec_stats.record(seq.num_draft_tokens, len(kept) - 1)
             seq.num_drafts_proposed += seq.num_draft_tokens
             seq.num_drafts_accepted += len(kept) - 1
-            if self.proposer is not None:
+            if seq in self._predicted:
+                from_prediction[seq] = seq.num_draft_tokens
+                self.predictions.accepted(seq, len(kept) - 1)
+            elif self.proposer is not None:
                 self.proposer.accepted(seq, len(kept) - 1)
         self.scheduler.advance(plan, rejected)
         for seq, first, entries in result.prompt_logprobs:
@@ -312,9 +320,16 @@ class LLMEngine:
             if out.logprobs is not None and out.top_logprobs is not None and seq.params.logprobs is not None:
                 delta.logprobs, delta.top_logprobs = [out.logprobs[row]], [out.top_logprobs[row]]
             deltas.append(delta)
-        deltas.extend(self._postprocess(seq, kept) for seq, kept in result.verified)
+        for seq, kept in result.verified:
+            delta = self._postprocess(seq, kept)
+            if seq in from_prediction:  # accepted: the drafts that became output (a stop may cut them)
+                accepted = len(kept) - 1
+                delta.accepted_prediction_tokens = min(accepted, len(delta.token_ids))
+                delta.rejected_prediction_tokens = from_prediction[seq] - accepted
+            deltas.append(delta)
         self.scheduler.publish(plan)
-        if self.proposer is not None:
+        self._predicted.clear()
+        if self.proposer is not None or any(s.params.prediction_token_ids for s in self.scheduler.running):
             self._propose()
         self.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
         finished, self._finished = self._finished, []
@@ -360,18 +375,19 @@ class LLMEngine:
             seq.grammar = None
 
     def _propose(self) -> None:
-        """Drafts for every running sequence in decode whose sampling speculation keeps exact:
+        """Drafts for every running sequence in decode, from its prediction if it has one and
+        the prediction offers drafts, else from the proposer (if any), whose sampling speculation
+        keeps exact:
         no penalties (they would change between drafts), no token constraints (logit_bias,
         allowed_token_ids, bad_words: verification does not apply them), no grammar (its mask would
         have to follow each draft), no logprobs, min_tokens reached; none while more sequences run
         than `speculative_disable_by_batch_size` (a batch that large already reads each weight once
         for many tokens, so drafts cost more than they save; a draft model catches up on the tokens
         it missed when it drafts again)."""
-        assert self.proposer is not None
         limit = self.args.speculative_disable_by_batch_size
         if limit is not None and len(self.scheduler.running) > limit:
             return
-        candidates, budgets = [], []
+        candidates, budgets, predicted, predicted_budgets = [], [], [], []
         for seq in self.scheduler.running:
             p = seq.params
             if seq.grammar is not None:
@@ -384,19 +400,38 @@ class LLMEngine:
                 continue
             k = min(self.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)
-            if k > 0:
+            if k > 0 and p.prediction_token_ids:
+                predicted.append(seq)
+                predicted_budgets.append(k)
+            elif k > 0 and self.proposer is not None:
                 candidates.append(seq)
                 budgets.append(k)
+        if predicted:
+            proposals = self.predictions.propose(predicted, predicted_budgets)
+            for seq, k, proposal in zip(predicted, predicted_budgets, proposals, strict=True):
+                if proposal.tokens:
+                    seq.draft = proposal
+                    self._predicted.add(seq)
+                elif self.proposer is not None:
+                    candidates.append(seq)
+                    budgets.append(k)
         if candidates:
+            assert self.proposer is not None
             for seq, proposal in zip(candidates, self.proposer.propose(candidates, budgets), strict=True):
                 seq.draft = proposal if proposal.tokens else None
+
+    def _release_drafter(self, seq: Sequence) -> None:
+        """Forgets a sequence that finished or was preempted in every proposer."""
+        self.predictions.release(seq)
+        self._predicted.discard(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self._release_grammar(seq)
         self.runner.release(seq)
-        if self.proposer is not None:
-            self.proposer.release(seq)
+        self._release_drafter(seq)
         group = self._groups[seq.request_id]
         if all(s.finished for s in group.sequences):
             del self._groups[seq.request_id]

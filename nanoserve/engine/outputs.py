@@ -43,6 +43,10 @@ class SequenceDelta:
     # With `prompt_logprobs`, in the first delta of the request's first sample only: one entry per
     # prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # Drafts from the request's `prediction` verified in this delta: accepted (and in token_ids),
+    # and rejected (computed, not output).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -231,3 +235,7 @@ class EngineLimits:
             raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size})")
         if params.bad_words and not self.detokenizes:
             raise ValueError("bad_words need a tokenizer")
+        if params.prediction is not None and params.prediction_token_ids is None and not self.detokenizes:
+            raise ValueError("prediction needs a tokenizer (or prediction_token_ids)")
+        if any(not 0 <= t < self.vocab_size for t in params.prediction_token_ids or ()):
+            raise ValueError(f"prediction token ids must be in [0, {self.vocab_size})")

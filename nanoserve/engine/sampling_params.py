@@ -74,6 +74,8 @@ class SamplingParams:
     tokens before it and the k most likely tokens there.
     `structured` constrains the output to a JSON schema, regex, choice or grammar (see
     `StructuredOutputs`).
+    `prediction` is text the output is expected to mostly repeat (OpenAI's Predicted Outputs): its
+    tokens are proposed as drafts and verified exactly, so it changes the speed, never the output.
     """
 
     n: int = 1
@@ -98,8 +100,11 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    prediction: str | None = None
     # `bad_words` as token sequences (see `resolve_bad_words`); filled by the front end or the engine.
     bad_words_token_ids: list[list[int]] | None = None
+    # `prediction` as tokens (see `resolve_prediction`); filled by the front end or the engine.
+    prediction_token_ids: list[int] | None = None
 
     MAX_LOGPROBS = 20
 
@@ -154,6 +159,7 @@ class SamplingParams:
             (all(isinstance(w, str) and w for w in self.bad_words), "bad_words must be a list of non-empty strings"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (self.prediction is None or isinstance(self.prediction, str), "prediction must be a string"),
         ]
         for ok, message in checks:
             if not ok:
@@ -176,3 +182,10 @@ def resolve_bad_words(params: SamplingParams, tokenizer: WordEncoder) -> None:
             if ids and ids not in sequences:
                 sequences.append(ids)
     params.bad_words_token_ids = sequences
+
+
+def resolve_prediction(params: SamplingParams, tokenizer: WordEncoder) -> None:
+    """Fills `params.prediction_token_ids` from `params.prediction`, once (no special tokens)."""
+    if params.prediction_token_ids is not None or params.prediction is None:
+        return
+    params.prediction_token_ids = tokenizer.encode(params.prediction, add_special_tokens=False)

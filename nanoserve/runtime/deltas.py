@@ -11,8 +11,9 @@ from nanoserve.engine.outputs import SequenceDelta
 
 def coalesce(deltas: list[SequenceDelta]) -> list[SequenceDelta]:
     """`deltas` (in arrival order) with each sequence's consecutive deltas merged into one: token
-    ids, text and logprobs concatenated in order, finish reason and counts from the last, prompt
-    logprobs from the first that has them (only a sequence's first delta does).
+    ids, text and logprobs concatenated in order, prediction counts summed, finish reason and the
+    other counts from the last, prompt logprobs from the first that has them (only a sequence's
+    first delta does).
 
     Invariants: per sequence, the concatenated token ids, text and logprobs are unchanged, and
     its merged deltas keep their order; a delta after a finished one, or one whose logprobs are
@@ -35,6 +36,8 @@ def coalesce(deltas: list[SequenceDelta]) -> list[SequenceDelta]:
             top_logprobs=(None if prev.top_logprobs is None or d.top_logprobs is None
                           else prev.top_logprobs + d.top_logprobs),
             prompt_logprobs=prev.prompt_logprobs if prev.prompt_logprobs is not None else d.prompt_logprobs,
+            accepted_prediction_tokens=prev.accepted_prediction_tokens + d.accepted_prediction_tokens,
+            rejected_prediction_tokens=prev.rejected_prediction_tokens + d.rejected_prediction_tokens,
         )
     return out
 

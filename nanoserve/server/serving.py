@@ -267,18 +267,27 @@ class UsageTally:
     prompt: dict[str, int] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
     completion: int = 0
+    accepted_prediction: int = 0
+    rejected_prediction: int = 0
 
     def add(self, d: SequenceDelta) -> None:
         self.prompt[d.request_id] = d.num_prompt_tokens
         if d.index == 0:
             self.cached[d.request_id] = d.num_cached_tokens
         self.completion += len(d.token_ids)
+        self.accepted_prediction += d.accepted_prediction_tokens
+        self.rejected_prediction += d.rejected_prediction_tokens
 
     def body(self) -> dict[str, Any]:
+        """OpenAI's usage object. `completion_tokens_details` counts the `prediction`'s tokens
+        verified as drafts: accepted (they are output) and rejected (computed, not output, and not
+        in completion_tokens: nanoserve counts only the tokens it returns)."""
         prompt = sum(self.prompt.values())
         return {"prompt_tokens": prompt, "completion_tokens": self.completion,
                 "total_tokens": prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
+                "completion_tokens_details": {"accepted_prediction_tokens": self.accepted_prediction,
+                                              "rejected_prediction_tokens": self.rejected_prediction}}
 
 
 def now_s() -> int:

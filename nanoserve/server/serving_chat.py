@@ -29,7 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve.engine.outputs import SequenceDelta
-from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
+from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words, resolve_prediction
 from nanoserve.runtime.async_engine import EngineError, OutputStream
 from nanoserve.runtime.engine_core import EngineInfo
 from nanoserve.server.chat.forced_tools import forced_json_calls, forced_tool_calls
@@ -67,6 +67,7 @@ async def prepare_chat(serving: Serving, info: EngineInfo,
         max_tokens = max(info.limits.max_tokens_in_pool - len(ids), 1)
     params = body.sampling_params(max_tokens, body.requested_logprobs(), info.sampling_defaults)
     resolve_bad_words(params, tok)
+    resolve_prediction(params, tok)
     validate_prompt(info.limits, ids, params, "messages")
     return ids, params
 

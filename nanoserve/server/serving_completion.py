@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve.engine.outputs import PromptLogprob, SequenceDelta
-from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words
+from nanoserve.engine.sampling_params import SamplingParams, resolve_bad_words, resolve_prediction
 from nanoserve.runtime.async_engine import EngineError, OutputStream
 from nanoserve.runtime.engine_core import EngineInfo
 from nanoserve.server.protocol import sse
@@ -53,6 +53,7 @@ async def prepare_completion(serving: Serving, info: EngineInfo, tok: Tokenizer,
     if params.prompt_logprobs is not None and body.stream:
         raise APIError(400, "prompt_logprobs is not supported with streaming", param="prompt_logprobs")
     resolve_bad_words(params, tok)
+    resolve_prediction(params, tok)
     for prompt_ids in ids:
         validate_prompt(info.limits, prompt_ids, params, "prompt")
     return ids, params

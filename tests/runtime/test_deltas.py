@@ -45,6 +45,13 @@ def test_coalesce_keeps_the_prompt_logprobs_of_a_first_delta() -> None:
     assert len(out) == 1 and out[0].prompt_logprobs == first.prompt_logprobs and out[0].text == "xyz"
 
 
+def test_coalesce_sums_the_prediction_counts() -> None:
+    steps = [dataclasses.replace(_delta("a", 0, t, "x"), accepted_prediction_tokens=a, rejected_prediction_tokens=r)
+             for t, a, r in ((1, 0, 0), (2, 4, 0), (3, 1, 3))]
+    (out,) = coalesce(steps)
+    assert (out.accepted_prediction_tokens, out.rejected_prediction_tokens) == (5, 3)
+
+
 def test_coalesce_never_merges_past_a_finish_or_across_logprob_shapes() -> None:
     deltas = [_delta("a", 0, 1, "x", "stop"), _delta("a", 0, 2, "y"), _delta("a", 0, 3, "z", logprob=-1.0)]
     assert coalesce(deltas) == deltas

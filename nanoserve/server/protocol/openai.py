@@ -67,6 +67,25 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat."""
+
+    model_config = _CONFIG
+    type: str
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        """The predicted text; a 400 naming `prediction` unless it is content given as a string or
+        as text parts (joined)."""
+        if self.type != "content":
+            raise APIError(400, f"prediction type must be 'content', got {self.type!r}", param="prediction")
+        if isinstance(self.content, str):
+            return self.content
+        if any(p.type != "text" or p.text is None for p in self.content):
+            raise APIError(400, "prediction content parts must be text parts", param="prediction")
+        return "".join(p.text or "" for p in self.content)
+
+
 class FunctionDefinition(BaseModel):
     model_config = _CONFIG
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
@@ -205,6 +224,7 @@ class _SamplingRequest(BaseModel):
     # `metadata` (tags for stored completions) has nothing to tag.
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    prediction: Prediction | None = None  # Predicted Outputs: drafts for speculative decoding
     # SGLang's extras, which sglang-router (see `nanoserve serve --data-parallel-size`) writes into
     # every request it forwards: accepted at the values in ROUTER_DEFAULTS only, which are what
     # nanoserve does anyway; any other value is a 400 naming the field.
@@ -253,6 +273,8 @@ class _SamplingRequest(BaseModel):
         given = {k: v for k, v in self.model_dump(include=set(_SAMPLING_FIELDS)).items() if v is not None}
         if self.logit_bias is not None:
             given["logit_bias"] = _token_bias(self.logit_bias)
+        if self.prediction is not None:
+            given["prediction"] = self.prediction.text()
         constraint = self.structured()
         if constraint is not None:
             given["structured"] = constraint[1]
