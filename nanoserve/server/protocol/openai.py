@@ -30,7 +30,6 @@ RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt
 # which would change the output: a 400 naming the field, whatever `--ignore-unknown-fields` says.
 REFUSED_FIELDS: dict[str, str] = {
     "audio": "audio output is not supported",
-    "prediction": "predicted outputs are not supported",
     "functions": "the deprecated `functions` is not supported; send `tools`",
     "function_call": "the deprecated `function_call` is not supported; send `tool_choice`",
     "moderation": "moderation is not supported",
