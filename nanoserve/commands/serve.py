@@ -21,6 +21,7 @@ from nanoserve.runtime.builder import build_engine
 from nanoserve.runtime.engine_core import EngineState
 from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
 from nanoserve.server.app import DEFAULT_PROMPT_WORKERS
+from nanoserve.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import PARSER_NAMES, TOOL_PARSERS
 from nanoserve.server.http_server import serve_until_signal
@@ -66,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-unknown-fields", action="store_true",
                    help="log and drop request fields that no OpenAI, vLLM or SGLang API defines (default: a 400 "
                         "naming them); fields those APIs define that nanoserve cannot honour stay a 400")
+    p.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20, metavar="MB",
+                   help="a larger request body is refused with a 413 before it is parsed "
+                        f"(default: {DEFAULT_MAX_BODY_BYTES / 2**20:g})")
     p.add_argument("--engine-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
                    help="restart a dead engine-core process up to N times within 10 minutes (delays 1, 2, 4, ... s); "
                         f"past that the server exits with status 1 (default: {DEFAULT_MAX_RESTARTS})")
@@ -101,7 +105,7 @@ def run(ns: argparse.Namespace) -> int:
                           reasoning_parser=ns.reasoning_parser, allowed_origins=tuple(ns.allowed_origins),
                           sse_keep_alive_s=ns.sse_keep_alive or None, prompt_workers=ns.prompt_workers,
                           prompt_timeout_s=ns.prompt_timeout, ignore_unknown_fields=ns.ignore_unknown_fields,
-                          engine_restarts=ns.engine_restarts)
+                          engine_restarts=ns.engine_restarts, max_body_bytes=int(ns.max_request_body_mb * 2**20))
     app = build_app(engine, config, on_fatal=shut_down)
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port,
                                            timeout_graceful_shutdown=ns.shutdown_timeout,

@@ -162,11 +162,7 @@ class AsyncEngine:
             kind: str = "cmpl") -> OutputStream:
         """Hands each prompt to the engine as one request with `params`. The caller has validated
         them (EngineLimits.validate). Raises EngineUnavailableError or QueueFullError."""
-        if self.state is not EngineState.RUNNING:
-            raise EngineUnavailableError(self.unavailable_reason())
-        if self._handed_off + self._waiting + len(prompts) > self.max_queued_requests:
-            raise QueueFullError(f"{self._handed_off + self._waiting} requests are waiting "
-                                 f"(max_queued_requests={self.max_queued_requests})")
+        self.admit(len(prompts))
         api_id = f"{kind}-{uuid.uuid4().hex}"
         ids = [api_id] if len(prompts) == 1 else [f"{api_id}-{i}" for i in range(len(prompts))]
         stream = OutputStream(self, api_id, ids)
@@ -175,6 +171,16 @@ class AsyncEngine:
             self._commands.put(AddRequest(rid, prompt, dataclasses.replace(params), priority))
         self._handed_off += len(prompts)
         return stream
+
+    def admit(self, count: int) -> None:
+        """Whether `count` more requests could be queued now (EngineUnavailableError or
+        QueueFullError if not): front ends ask before they render or tokenize anything, and `add`
+        asks again."""
+        if self.state is not EngineState.RUNNING:
+            raise EngineUnavailableError(self.unavailable_reason())
+        if self._handed_off + self._waiting + count > self.max_queued_requests:
+            raise QueueFullError(f"{self._handed_off + self._waiting} requests are waiting "
+                                 f"(max_queued_requests={self.max_queued_requests})")
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:

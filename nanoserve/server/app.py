@@ -32,6 +32,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.runtime.async_engine import DEFAULT_MAX_RESTARTS, AsyncEngine
 from nanoserve.runtime.engine_core import EngineState
 from nanoserve.runtime.metrics import Metrics
+from nanoserve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS
 from nanoserve.server.protocol.anthropic import CountTokensRequest, MessagesRequest
@@ -75,6 +76,7 @@ class ServerConfig:
     sse_keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
     prompt_workers: int = DEFAULT_PROMPT_WORKERS
     prompt_timeout_s: float = DEFAULT_TIMEOUT_S
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413, never parsed
     engine_restarts: int = DEFAULT_MAX_RESTARTS  # restarts of a dead engine-core process within 10 minutes
     ignore_unknown_fields: bool = False  # log and drop request fields no API defines (else a 400)
 
@@ -124,6 +126,7 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     install_error_handlers(app)
     if config.api_key:
         app.add_middleware(APIKeyAuth, api_key=config.api_key)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.allowed_origins:  # added last, so it runs first: preflights never meet the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -38,6 +38,7 @@ from nanoserve.tokenizer import Tokenizer
 from nanoserve.tokenizer.prompt_pool import PromptLimits, PromptPool
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 RETRY_AFTER_S = 1
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
@@ -204,11 +205,19 @@ class Serving:
             raise APIError(400, f"unsupported request field{'s' if len(unknown) > 1 else ''}: "
                            f"{', '.join(unknown)}", param=unknown[0], code="unsupported_field")
 
+    def admit(self, count: int = 1) -> None:
+        """A 429 (with Retry-After) when `count` more requests would overflow the queue, a 503 when
+        the engine is not running: asked before a request's text is rendered or tokenized."""
+        self._admitted(lambda: self.engine.admit(count))
+
     def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int,
                kind: str) -> OutputStream:
         """Hands validated prompts to the engine: 429 (with Retry-After) when the queue is full."""
+        return self._admitted(lambda: self.engine.add(prompts, params, priority=priority, kind=kind))
+
+    def _admitted(self, call: Callable[[], _T]) -> _T:
         try:
-            return self.engine.add(prompts, params, priority=priority, kind=kind)
+            return call()
         except QueueFullError as e:
             raise APIError(429, f"the server is overloaded: {e}; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e

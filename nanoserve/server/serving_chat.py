@@ -102,10 +102,12 @@ class ChatRun:
 
 
 async def start_chat(serving: Serving, body: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
-    """Checks the request, renders and tokenizes it (on a worker thread), builds its constraint
-    (forced tool calls, response format, after a think block) and submits it; raises APIError (a 400
-    before anything runs) for what cannot run."""
+    """Checks the request and whether the queue has room for it (a 429 before any work), renders and
+    tokenizes it (in the prompt workers), builds its constraint (forced tool calls, response format,
+    after a think block) and submits it; raises APIError (a 400 before anything runs) for what
+    cannot run."""
     serving.check_request(body, body.model)
+    serving.admit()
     info = serving.running_info()
     tok = serving.tokenizer()
     forced = body.forced_tools()

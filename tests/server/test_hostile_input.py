@@ -5,10 +5,11 @@ another client's stream goes on without a stall meanwhile, and the server stays 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -119,3 +120,56 @@ def test_prompts_too_long_to_fit_are_400_before_any_work(server: tuple[str, Fast
     r = httpx.post(f"{url}/tokenize", json={"model": SERVED, "prompt": huge}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert _chat(url, "hello").status_code == 200
+
+
+def test_a_full_queue_answers_429_before_rendering_anything(hostile_model: Path, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """One request runs, one waits (the queue's bound): a third, whose template would spin until
+    its deadline, gets its 429 at once, without being rendered."""
+    engine = make_engine(hostile_model, max_num_seqs=1)
+    pace(engine, monkeypatch, 0.05)
+    body = {"model": SERVED, "prompt": "Once upon a time", "max_tokens": 60, "stream": True, "ignore_eos": True}
+    with serve(engine, max_queued_requests=1, prompt_timeout_s=PROMPT_TIMEOUT_S) as (url, app), \
+            contextlib.ExitStack() as streams:
+
+        def until(done: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 30
+            while not done():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+
+        streams.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60))
+        until(lambda: app.state.engine.snapshot.num_running == 1)
+        streams.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60))
+        until(lambda: app.state.engine.snapshot.num_waiting == 1)
+        t0 = time.monotonic()
+        r = _chat(url, "spin")
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert time.monotonic() - t0 < PROMPT_TIMEOUT_S  # refused before its template ran
+    wait_idle(app)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_body_over_the_limit_is_413_before_parsing(demo_dir: Path, path: str) -> None:
+    engine = make_engine(demo_dir)
+    big = {"model": SERVED, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 100_000}]}
+    with serve(engine, max_body_bytes=65_536) as (url, app):
+        r = httpx.post(f"{url}{path}", json=big, timeout=60)
+        assert r.status_code == 413, r.text
+        assert "larger than 65536 bytes" in r.text
+        if path == "/v1/messages":
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
+        else:
+            assert r.json()["error"]["code"] == "body_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the bound holds as the bytes arrive
+            yield b'{"model": "' + SERVED.encode() + b'", "messages": [{"role": "user", "content": "'
+            for _ in range(100):
+                yield b"x" * 1000
+            yield b'"}]}'
+
+        r = httpx.post(f"{url}{path}", content=chunks(), timeout=60)
+        assert r.status_code == 413, r.text
+        small = {**big, "messages": [{"role": "user", "content": "hello"}]}
+        assert httpx.post(f"{url}/v1/chat/completions", json=small, timeout=60).status_code == 200
+        wait_idle(app)
