@@ -24,7 +24,6 @@ from safetensors.torch import load_file
 from nanoserve.model import LoadedModel, ModelConfig, UnsupportedModelError, load_model
 from nanoserve.model.checkpoint.gguf_export import export_gguf
 from nanoserve.model.checkpoint.gguf_reader import (
-    LLAMA3_REGEX,
     ROPE_SCALING_KEY,
     fit_llama3_scaling,
     llama3_rope_factors,
@@ -33,6 +32,7 @@ from nanoserve.model.checkpoint.gguf_reader import (
 from nanoserve.model.config import RopeScaling
 from nanoserve.model.families import FAMILIES as REGISTRY
 from nanoserve.model.families.llama import LLAMA
+from nanoserve.tokenizer.pre_tokenizers import LLAMA3_REGEX
 
 from support.families import FAMILIES
 from support.forward import full_logits
@@ -374,6 +374,9 @@ def test_sentencepiece_tokenizer_matches_llama_cpp(sentencepiece_gguf):
 
 def test_unknown_pre_tokenizer_is_refused(exported, tmp_path):
     _, path = exported("qwen2")
-    bad = _rewrite(path, tmp_path / "pre.gguf", strings={"tokenizer.ggml.pre": "chatglm-bpe"})
-    with pytest.raises(UnsupportedModelError, match="pre-tokenizer 'chatglm-bpe'"):
+    bad = _rewrite(path, tmp_path / "pre.gguf", strings={"tokenizer.ggml.pre": "chatglm-bpe-9"})
+    with pytest.raises(UnsupportedModelError, match=r"pre-tokenizer 'chatglm-bpe-9' \(unknown\)"):
+        read_gguf(bad)
+    bad = _rewrite(path, tmp_path / "pre.gguf", strings={"tokenizer.ggml.pre": "gemma4"})
+    with pytest.raises(UnsupportedModelError, match=r"'gemma4' \(a vocabulary that is not byte-level BPE\)"):
         read_gguf(bad)

@@ -20,8 +20,9 @@ Invariants:
   rows of blocks: blocks run along a row); `tensor_formats` names them before any is read. Every
   other type is converted to the dtype asked for.
 - The rebuilt tokenizer tokenizes as llama.cpp does: byte-level BPE split by the file's
-  `tokenizer.ggml.pre` (an unknown pre-tokenizer fails rather than silently splitting text
-  differently), or SentencePiece BPE by piece scores (`nanoserve.tokenizer.sentencepiece_bpe`).
+  `tokenizer.ggml.pre` as llama.cpp splits for that name (`nanoserve.tokenizer.pre_tokenizers`; an
+  unknown pre-tokenizer fails rather than silently splitting text differently), or SentencePiece
+  BPE by piece scores (`nanoserve.tokenizer.sentencepiece_bpe`).
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ import tokenizers
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType, ReaderTensor, TokenType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders
 
 from nanoserve.model.config import RopeScaling, UnsupportedModelError
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
 from nanoserve.model.layers import rope_inv_freq
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, QuantizedRows
 from nanoserve.tokenizer import sentencepiece_bpe
+from nanoserve.tokenizer.pre_tokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS, PreTokenizer
 from nanoserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,34 +60,6 @@ ROPE_FREQS = "rope_freqs.weight"
 # llama.cpp files carry only the per-frequency factors in ROPE_FREQS.
 ROPE_SCALING_KEY = "nanoserve.rope_scaling"
 
-QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
-LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-
-
-class PreTokenizer(NamedTuple):
-    """How llama.cpp splits text for one `tokenizer.ggml.pre` value, and its defaults there."""
-
-    regex: str
-    ignore_merges: bool  # whole words found in the vocabulary skip BPE (Llama 3)
-    add_bos: bool  # default when the file has no tokenizer.ggml.add_bos_token
-
-
-# Canonical names first: the exporter writes the first name whose regex matches.
-PRE_TOKENIZERS = {
-    "qwen2": PreTokenizer(QWEN2_REGEX, ignore_merges=False, add_bos=False),
-    "deepseek-r1-qwen": PreTokenizer(QWEN2_REGEX, ignore_merges=False, add_bos=False),
-    "llama-bpe": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
-    "llama3": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
-    "llama-v3": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
-    "gpt2": PreTokenizer(GPT2_REGEX, ignore_merges=False, add_bos=False),
-}
 # Control tokens llama.cpp treats as end of generation besides the eos/eot/eom ids in the metadata.
 _END_OF_GENERATION_TEXTS = frozenset(
     {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -366,8 +340,11 @@ def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
     tokens: list[str] = _require(meta, "tokenizer.ggml.tokens")
     types = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    bos, eos = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
     if model == "gpt2":
-        backend, add_bos = _byte_level_bpe(meta, tokens, types)
+        backend, pre = _byte_level_bpe(meta, tokens, types)
+        add_bos = pre.add_bos
+        bos = bos if pre.has_bos else None
     elif model == "llama":
         backend = sentencepiece_bpe.build(tokens, _require(meta, "tokenizer.ggml.scores"), types,
                                           meta.get("tokenizer.ggml.unknown_token_id"),
@@ -382,7 +359,6 @@ def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
                                 for i, kind in enumerate(types) if kind == TokenType.CONTROL])
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, kind in enumerate(types) if kind == TokenType.USER_DEFINED])
-    bos, eos = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
     return Tokenizer(
         backend,
         bos_token=None if bos is None else tokens[bos],
@@ -394,21 +370,27 @@ def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
     )
 
 
-def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[tokenizers.Tokenizer, bool]:
+def _byte_level_bpe(
+    meta: dict[str, Any], tokens: list[str], types: list[int]
+) -> tuple[tokenizers.Tokenizer, PreTokenizer]:
     """The byte-level BPE model of a "gpt2" vocabulary, split as llama.cpp splits for the file's
-    `tokenizer.ggml.pre`, and that pre-tokenizer's default for adding BOS."""
-    pre_name = meta.get("tokenizer.ggml.pre", "default")
+    `tokenizer.ggml.pre` (`nanoserve.tokenizer.pre_tokenizers`; none given is llama.cpp's
+    "default", with its warning), and that pre-tokenizer's rule (its BOS defaults)."""
+    pre_name = meta.get("tokenizer.ggml.pre")
+    if pre_name is None:
+        log.warning("GGUF vocabulary names no pre-tokenizer: splitting with llama.cpp's 'default' rules, "
+                    "which may not be the ones the model was trained with")
+        pre_name = "default"
     if pre_name not in PRE_TOKENIZERS:
+        kind = "a vocabulary that is not byte-level BPE" if pre_name in NOT_BYTE_LEVEL else "unknown"
         raise UnsupportedModelError(
-            f"unsupported GGUF pre-tokenizer {pre_name!r}; nanoserve knows {sorted(PRE_TOKENIZERS)}"
+            f"unsupported GGUF pre-tokenizer {pre_name!r} ({kind}); nanoserve reads the {len(PRE_TOKENIZERS)} "
+            "names llama.cpp reads for byte-level BPE (nanoserve.tokenizer.pre_tokenizers)"
         )
     pre = PRE_TOKENIZERS[pre_name]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)) if kind != TokenType.UNUSED}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend = tokenizers.Tokenizer(pre.model(vocab, merges))
+    backend.pre_tokenizer = pre.pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
-    return backend, pre.add_bos
+    return backend, pre
