@@ -42,10 +42,11 @@ import numpy.typing as npt
 import tokenizers
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader, GGUFValueType, ReaderTensor, TokenType
+from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor, TokenType
 from tokenizers import AddedToken, decoders
 
-from nanoserve.model.config import RopeScaling, UnsupportedModelError
+from nanoserve.model.checkpoint import gguf_header
+from nanoserve.model.config import ModelLoadError, RopeScaling, UnsupportedModelError
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
 from nanoserve.model.layers import rope_inv_freq
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, QuantizedRows
@@ -113,7 +114,23 @@ class _Reader(GGUFReader):
     """`GGUFReader` that parses through a plain ndarray view of its memory map instead of the
     `np.memmap` itself: the same bytes, without numpy's Python-level memmap bookkeeping on every
     slice, which dominates reading a large vocabulary and its merges otherwise.
-    Overrides the reader's private `_get` with the same signature and result."""
+    Overrides the reader's private `_get` with the same signature and result, and checks before
+    the private `_build_tensors` views any tensor that every tensor lies inside the file."""
+
+    def __init__(self, path: str | Path, mode: Literal["r", "r+", "c"] = "r") -> None:
+        self._name = Path(path).name
+        super().__init__(path, mode)
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, kind, offset = field.parts
+            block, type_size = gguf.GGML_QUANT_SIZES[QType(int(kind[0]))]
+            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise ModelLoadError(f"{self._name}: truncated: tensor {bytes(name).decode()} ends past the file "
+                                     f"(at byte {end} of {size})")
+        super()._build_tensors(start_offs, fields)
 
     def _get(
         self, offset: int, dtype: npt.DTypeLike, count: int = 1,
@@ -123,6 +140,8 @@ class _Reader(GGUFReader):
         if flat is None:
             flat = self._flat = self.data.view(np.ndarray)
         count = int(count)
+        if offset + np.dtype(dtype).itemsize * count > len(flat):
+            raise ModelLoadError(f"{self._name}: truncated: the metadata ends past the file")
         arr = flat[offset : offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
@@ -130,18 +149,19 @@ class _Reader(GGUFReader):
 def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFCheckpoint:
     """Opens `path` and reads its metadata and tokenizer; tensors are read later by `weights()`.
 
-    Raises UnsupportedModelError naming the architecture (none of `families` is stored as it),
-    tokenizer or setting that nanoserve does not implement.
+    Raises UnsupportedModelError naming the architecture (none of `families` is stored as it;
+    found from the file's head before the rest is parsed), tokenizer or setting that nanoserve
+    does not implement, and ModelLoadError for a file that is not GGUF or is cut short.
     """
-    reader = _Reader(path, mode="c")
-    meta = _metadata(reader)
-    arch = meta.get("general.architecture")
-    family = families.for_gguf_arch(arch) if isinstance(arch, str) else None
+    arch = gguf_header.architecture(path)
+    family = families.for_gguf_arch(arch) if arch is not None else None
     if family is None:
         raise UnsupportedModelError(
             f"unsupported GGUF architecture {arch!r} in {Path(path).name}; "
             f"nanoserve reads {families.gguf_architectures}"
         )
+    reader = _open(path)
+    meta = _metadata(reader)
     generation_eos = _generation_eos(meta)
     tokenizer = _tokenizer(meta, generation_eos)
     hf_config = _hf_config(meta, family, {t.name: t for t in reader.tensors})
@@ -155,6 +175,21 @@ def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFChec
     if reader.tensors:  # metadata and tokenizer are parsed into Python values by now
         _release(mapping, 0, min(t.data_offset for t in reader.tensors))
     return GGUFCheckpoint(hf_config, tokenizer, generation_eos, tuple(reader.tensors), family, mapping)
+
+
+def read_gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a GGUF file alone, whatever its architecture (a vocabulary-only file, such as
+    llama.cpp's test vocabularies), as `read_gguf` builds it."""
+    meta = _metadata(_open(path))
+    return _tokenizer(meta, _generation_eos(meta))
+
+
+def _open(path: str | Path) -> _Reader:
+    """The file's reader, its metadata parsed; a file it cannot lay out is a ModelLoadError."""
+    try:
+        return _Reader(path, mode="c")
+    except (ValueError, KeyError) as e:  # the gguf package's own checks of the layout
+        raise ModelLoadError(f"{Path(path).name}: not a valid GGUF file ({e})") from None
 
 
 def _release(mapping: mmap.mmap, start: int, end: int) -> None:
