@@ -180,8 +180,13 @@ def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFChec
 def read_gguf_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a GGUF file alone, whatever its architecture (a vocabulary-only file, such as
     llama.cpp's test vocabularies), as `read_gguf` builds it."""
-    meta = _metadata(_open(path))
+    meta = read_gguf_metadata(path)
     return _tokenizer(meta, _generation_eos(meta))
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Every key/value pair of a GGUF file as Python values (as `read_gguf` reads them)."""
+    return _metadata(_open(path))
 
 
 def _open(path: str | Path) -> _Reader:
