@@ -21,7 +21,8 @@ Invariants:
 - Several names share one rule (a value of `PreTokenizer`); `canonical_name` is the first name
   listed for it, the one a GGUF writer stores.
 - llama.cpp's types that split without GPT-2's byte encoding (`NOT_BYTE_LEVEL`: Gemma 4, Sarvam,
-  whitespace) are not byte-level BPE vocabularies; they are not keys.
+  whitespace) are not byte-level BPE vocabularies; they are not keys (a Gemma 4 file names its own
+  tokenizer model, "gemma4", read by `sentencepiece_bpe.build_from_merges`).
 """
 
 # ruff: noqa: E501  (each of llama.cpp's regexes is one literal, as in its source, to be read against it)

@@ -21,8 +21,9 @@ Invariants:
   other type is converted to the dtype asked for.
 - The rebuilt tokenizer tokenizes as llama.cpp does: byte-level BPE split by the file's
   `tokenizer.ggml.pre` as llama.cpp splits for that name (`nanoserve.tokenizer.pre_tokenizers`; an
-  unknown pre-tokenizer fails rather than silently splitting text differently), or SentencePiece
-  BPE by piece scores (`nanoserve.tokenizer.sentencepiece_bpe`).
+  unknown pre-tokenizer fails rather than silently splitting text differently), SentencePiece
+  BPE by piece scores, or Gemma 4's BPE over SentencePiece-style pieces by its merges
+  (`nanoserve.tokenizer.sentencepiece_bpe`).
 """
 
 from __future__ import annotations
@@ -368,8 +369,9 @@ def _generation_eos(meta: dict[str, Any]) -> tuple[int, ...]:
 
 def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
     """Rebuilds the file's tokenizer: byte-level BPE (`tokenizer.ggml.model` "gpt2") from tokens,
-    token types and merges, or SentencePiece BPE ("llama": Llama 2, Mistral) from tokens, scores
-    and token types.
+    token types and merges, SentencePiece BPE ("llama": Llama 2, Mistral) from tokens, scores
+    and token types, or Gemma 4's BPE over SentencePiece-style pieces ("gemma4") from tokens,
+    token types and merges.
 
     Control tokens (type 3) become special added tokens, user-defined ones (type 4) non-special
     added tokens, as in the tokenizer.json they came from; unused (type 5) padding entries stay out
@@ -390,10 +392,13 @@ def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
                                           meta.get("tokenizer.ggml.unknown_token_id"),
                                           bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
         add_bos = True  # llama.cpp's default for SentencePiece vocabularies
+    elif model == "gemma4":
+        backend = sentencepiece_bpe.build_from_merges(tokens, _require(meta, "tokenizer.ggml.merges"), types)
+        add_bos = True
     else:
         raise UnsupportedModelError(
-            f"unsupported GGUF tokenizer model {model!r}; nanoserve reads byte-level BPE ('gpt2') "
-            "and SentencePiece BPE ('llama')"
+            f"unsupported GGUF tokenizer model {model!r}; nanoserve reads byte-level BPE ('gpt2'), "
+            "SentencePiece BPE ('llama') and Gemma 4's BPE ('gemma4')"
         )
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                 for i, kind in enumerate(types) if kind == TokenType.CONTROL])
@@ -404,7 +409,8 @@ def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
         bos_token=None if bos is None else tokens[bos],
         eos_token=None if eos is None else tokens[eos],
         chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)),
+        # llama.cpp overrides a Gemma 4 file's add_bos_token false (its PR 21500)
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)) or model == "gemma4",
         extra_stop_token_ids=stop_ids,
         tool_chat_template=meta.get("tokenizer.chat_template.tool_use"),
     )
