@@ -284,6 +284,9 @@ def test_not_a_gguf_file_is_one_clear_line(tmp_path):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ModelLoadError, match=rf"^{name}: not a GGUF file \(it starts with b'.*', not b'GGUF'\)$"):
             load_model(tmp_path / name, dtype=torch.float32)
+    (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(ModelLoadError, match=r"^v1.gguf: GGUF version 1, which nanoserve does not read"):
+        load_model(tmp_path / "v1.gguf", dtype=torch.float32)
 
 
 def test_truncated_file_names_the_tensor_cut_short(exported, tmp_path):

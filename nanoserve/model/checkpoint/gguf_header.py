@@ -6,8 +6,8 @@ later. `architecture` reads pairs only until it finds that key, so a file whose 
 refused is refused before its vocabulary is read.
 
 Invariants: nothing past the architecture's value is read unless keys come before it (each is
-skipped by its declared size); a file that is not GGUF or ends inside the pairs raises
-`ModelLoadError` with one line naming the file and what is wrong.
+skipped by its declared size); a file that is not GGUF, of a version other than `VERSIONS`, or
+ending inside the pairs raises `ModelLoadError` with one line naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from nanoserve.model.config import ModelLoadError
 
 MAGIC = b"GGUF"
 ARCHITECTURE_KEY = "general.architecture"
+VERSIONS = (2, 3)  # what the gguf package reads; version 1 counted in 32 bits
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
     GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?",
@@ -83,6 +84,9 @@ def architecture(path: str | Path) -> str | None:
         version = cursor.unpack("I")
         if version & 0xFFFF == 0:  # written on a machine of the other byte order
             cursor.order = ">"
+            version = struct.unpack(">I", struct.pack("<I", version))[0]
+        if version not in VERSIONS:
+            raise ModelLoadError(f"{name}: GGUF version {version}, which nanoserve does not read (it reads {VERSIONS})")
         cursor.take(8)  # tensor count
         for _ in range(cursor.unpack("Q")):
             key, kind = cursor.string(), cursor.unpack("I")
