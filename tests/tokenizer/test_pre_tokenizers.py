@@ -46,7 +46,9 @@ def test_deepseek_llm_trailing_spaces_end_the_piece():
 
 
 def test_kimi_k2_takes_han_out_of_letters():
+    """llama.cpp's "\\p{Han}+" for kimi-k2 only triggers its hand-written split of K2's whole rule."""
     assert _pieces("kimi-k2", "abc中文def") == ["abc", "中文", "def"]
+    assert _pieces("kimi-k2", "abc中文 def's 12345") == ["abc", "中文", " def's", " ", "123", "45"]
 
 
 def test_canonical_names_are_llama_cpps_first_names():
