@@ -402,6 +402,13 @@ def test_sentencepiece_tokenizer_matches_llama_cpp(sentencepiece_gguf):
             assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text
 
 
+def test_byte_level_vocabulary_without_merges_is_refused(exported, tmp_path):
+    _, path = exported("qwen2")
+    bad = _rewrite(path, tmp_path / "nomerges.gguf", drop=("tokenizer.ggml.merges",))
+    with pytest.raises(UnsupportedModelError, match=r"'qwen2'.* without tokenizer\.ggml\.merges"):
+        read_gguf(bad)
+
+
 def test_unknown_pre_tokenizer_is_refused(exported, tmp_path):
     _, path = exported("qwen2")
     bad = _rewrite(path, tmp_path / "pre.gguf", strings={"tokenizer.ggml.pre": "chatglm-bpe-9"})

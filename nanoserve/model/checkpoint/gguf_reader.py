@@ -434,7 +434,10 @@ def _byte_level_bpe(
             "names llama.cpp reads for byte-level BPE (nanoserve.tokenizer.pre_tokenizers)"
         )
     pre = PRE_TOKENIZERS[pre_name]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    if "tokenizer.ggml.merges" not in meta:  # llama.cpp reads kimi-k2 without them, by its own code
+        raise UnsupportedModelError(f"GGUF byte-level BPE vocabulary (pre-tokenizer {pre_name!r}) without "
+                                    "tokenizer.ggml.merges: nanoserve merges by the stored merges only")
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)) if kind != TokenType.UNUSED}
     backend = tokenizers.Tokenizer(pre.model(vocab, merges))
     backend.pre_tokenizer = pre.pre_tokenizer()
