@@ -1,4 +1,4 @@
-"""SentencePiece BPE vocabularies (Llama 1/2, Mistral 7B) as a `tokenizers` BPE model.
+"""SentencePiece BPE vocabularies (Llama 1/2, Mistral 7B; Gemma 4's with merges) as `tokenizers` BPE models.
 
 SentencePiece's BPE encoder starts from the characters of the text (spaces written as U+2581
 "▁", one prepended) and repeatedly merges the adjacent pair whose concatenation is the piece with
@@ -9,6 +9,9 @@ its scores, as a GGUF file of `tokenizer.ggml.model` "llama" stores them.
 
 The text is prefixed as llama.cpp does: with `add_space_prefix`, every run of text that starts the
 input or follows a special token gets a leading "▁" (the normalizer runs once per such run).
+
+Gemma 4's GGUF vocabulary (`build_from_merges`) is such pieces with ranked merges stored, which
+llama.cpp applies to runs of newlines and runs of other text, with no "▁" prepended.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Sequence
 
 import tokenizers
 from gguf import TokenType
-from tokenizers import decoders, models, normalizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
 SPACE = "\u2581"
 _MERGEABLE = (TokenType.NORMAL, TokenType.USER_DEFINED)
@@ -49,4 +52,20 @@ def build(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], 
     strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
     backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
                                          *strip])
+    return backend
+
+
+def build_from_merges(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int]) -> tokenizers.Tokenizer:
+    """A BPE tokenizer over SentencePiece-style pieces with ranked merges (Gemma 4's, GGUF
+    `tokenizer.ggml.model` "gemma4"), split as llama.cpp splits it: spaces written as "▁" (none
+    prepended), the text cut into runs of newlines and runs of anything else, each merged on its
+    own; a run found whole in the vocabulary is one token (llama.cpp does so for newline runs; a
+    whole line that is a piece BPE would not reach is the one way this can differ from it); a
+    piece outside the vocabulary becomes `<0xXX>` byte pieces. Special and added tokens not yet added."""
+    vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)) if kind != TokenType.UNUSED}
+    pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, byte_fallback=True, ignore_merges=True))
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[^\n]+|[\n]+"), behavior="isolated", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend

@@ -22,17 +22,18 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from safetensors.torch import load_file
 
 from nanoserve.model import LoadedModel, ModelConfig, UnsupportedModelError, load_model
+from nanoserve.model.checkpoint import gguf_reader
 from nanoserve.model.checkpoint.gguf_export import export_gguf
 from nanoserve.model.checkpoint.gguf_reader import (
-    LLAMA3_REGEX,
     ROPE_SCALING_KEY,
     fit_llama3_scaling,
     llama3_rope_factors,
     read_gguf,
 )
-from nanoserve.model.config import RopeScaling
+from nanoserve.model.config import ModelLoadError, RopeScaling
 from nanoserve.model.families import FAMILIES as REGISTRY
 from nanoserve.model.families.llama import LLAMA
+from nanoserve.tokenizer.pre_tokenizers import LLAMA3_REGEX
 
 from support.families import FAMILIES
 from support.forward import full_logits
@@ -265,11 +266,40 @@ def test_fit_llama3_scaling(factor, old):
                       "high_freq_factor": 4.0, "original_max_position_embeddings": old}
 
 
-def test_unsupported_architecture_is_named(exported, tmp_path):
+def test_unsupported_architecture_is_named(exported, tmp_path, monkeypatch):
+    """Refused from the file's head: the metadata (the vocabulary) is never parsed."""
     _, path = exported("qwen2")
     bad = _rewrite(path, tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'gpt2'"):
+
+    def parse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the metadata was parsed before the architecture was refused")
+
+    monkeypatch.setattr(gguf_reader, "_Reader", parse)
+    with pytest.raises(UnsupportedModelError, match=r"unsupported GGUF architecture 'gpt2' in gpt2\.gguf"):
         load_model(bad, dtype=torch.float32)
+
+
+def test_not_a_gguf_file_is_one_clear_line(tmp_path):
+    for name, data in (("text.gguf", b"not a model at all\n"), ("empty.gguf", b""), ("tiny.gguf", b"GG")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ModelLoadError, match=rf"^{name}: not a GGUF file \(it starts with b'.*', not b'GGUF'\)$"):
+            load_model(tmp_path / name, dtype=torch.float32)
+    (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(ModelLoadError, match=r"^v1.gguf: GGUF version 1, which nanoserve does not read"):
+        load_model(tmp_path / "v1.gguf", dtype=torch.float32)
+
+
+def test_truncated_file_names_the_tensor_cut_short(exported, tmp_path):
+    _, path = exported("qwen2")
+    data = path.read_bytes()
+    last = max(GGUFReader(path).tensors, key=lambda t: t.data_offset)
+    (tmp_path / "cut.gguf").write_bytes(data[:-1])
+    with pytest.raises(ModelLoadError, match=rf"^cut.gguf: truncated: tensor {last.name} ends past the file "
+                                             rf"\(at byte {len(data)} of {len(data) - 1}\)$"):
+        load_model(tmp_path / "cut.gguf", dtype=torch.float32)
+    (tmp_path / "head.gguf").write_bytes(data[:4096])  # inside the vocabulary
+    with pytest.raises(ModelLoadError, match=r"^head.gguf: truncated: the metadata ends past the file$"):
+        load_model(tmp_path / "head.gguf", dtype=torch.float32)
 
 
 def test_unknown_tokenizer_model_is_refused_clearly(exported, tmp_path):
@@ -372,8 +402,18 @@ def test_sentencepiece_tokenizer_matches_llama_cpp(sentencepiece_gguf):
             assert tok.encode(text) == ref.tokenize(text.encode(), add_bos=True, special=True), text
 
 
+def test_byte_level_vocabulary_without_merges_is_refused(exported, tmp_path):
+    _, path = exported("qwen2")
+    bad = _rewrite(path, tmp_path / "nomerges.gguf", drop=("tokenizer.ggml.merges",))
+    with pytest.raises(UnsupportedModelError, match=r"'qwen2'.* without tokenizer\.ggml\.merges"):
+        read_gguf(bad)
+
+
 def test_unknown_pre_tokenizer_is_refused(exported, tmp_path):
     _, path = exported("qwen2")
-    bad = _rewrite(path, tmp_path / "pre.gguf", strings={"tokenizer.ggml.pre": "chatglm-bpe"})
-    with pytest.raises(UnsupportedModelError, match="pre-tokenizer 'chatglm-bpe'"):
+    bad = _rewrite(path, tmp_path / "pre.gguf", strings={"tokenizer.ggml.pre": "chatglm-bpe-9"})
+    with pytest.raises(UnsupportedModelError, match=r"pre-tokenizer 'chatglm-bpe-9' \(unknown\)"):
+        read_gguf(bad)
+    bad = _rewrite(path, tmp_path / "pre.gguf", strings={"tokenizer.ggml.pre": "gemma4"})
+    with pytest.raises(UnsupportedModelError, match=r"'gemma4' \(a vocabulary that is not byte-level BPE\)"):
         read_gguf(bad)

@@ -25,8 +25,6 @@ from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType, TokenType
 
 from nanoserve.model.checkpoint.gguf_reader import (
-    GPT2_REGEX,
-    PRE_TOKENIZERS,
     ROPE_FREQS,
     ROPE_SCALING_KEY,
     llama3_rope_factors,
@@ -35,6 +33,7 @@ from nanoserve.model.checkpoint.gguf_reader import (
 from nanoserve.model.checkpoint.loader import iter_safetensors, safetensors_files
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch
+from nanoserve.tokenizer.pre_tokenizers import GPT2_REGEX, PRE_TOKENIZERS, canonical_name, run_as
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +185,11 @@ def _pre_tokenizer_name(spec: dict[str, Any]) -> str:
     pre = spec.get("pre_tokenizer") or {}
     regex = _split_regex(pre.get("pretokenizers", [pre]))
     ignore_merges = bool(spec["model"].get("ignore_merges"))
-    for name, known in PRE_TOKENIZERS.items():
-        if regex == known.regex and known.ignore_merges == ignore_merges:
-            return name
+    for known in PRE_TOKENIZERS.values():
+        if (regex,) == tuple(map(run_as, known.splits)) and known.ignore_merges == ignore_merges:
+            return canonical_name(known)
     raise ValueError(f"the tokenizer's pre-tokenizer ({json.dumps(pre)[:200]}) matches no llama.cpp "
-                     f"pre-tokenizer nanoserve knows ({sorted(PRE_TOKENIZERS)})")
+                     "pre-tokenizer (nanoserve.tokenizer.pre_tokenizers)")
 
 
 def _split_regex(steps: list[dict[str, Any]]) -> str | None:

@@ -20,8 +20,10 @@ Invariants:
   rows of blocks: blocks run along a row); `tensor_formats` names them before any is read. Every
   other type is converted to the dtype asked for.
 - The rebuilt tokenizer tokenizes as llama.cpp does: byte-level BPE split by the file's
-  `tokenizer.ggml.pre` (an unknown pre-tokenizer fails rather than silently splitting text
-  differently), or SentencePiece BPE by piece scores (`nanoserve.tokenizer.sentencepiece_bpe`).
+  `tokenizer.ggml.pre` as llama.cpp splits for that name (`nanoserve.tokenizer.pre_tokenizers`; an
+  unknown pre-tokenizer fails rather than silently splitting text differently), SentencePiece
+  BPE by piece scores, or Gemma 4's BPE over SentencePiece-style pieces by its merges
+  (`nanoserve.tokenizer.sentencepiece_bpe`).
 """
 
 from __future__ import annotations
@@ -41,14 +43,16 @@ import numpy.typing as npt
 import tokenizers
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFReader, GGUFValueType, ReaderTensor, TokenType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor, TokenType
+from tokenizers import AddedToken, decoders
 
-from nanoserve.model.config import RopeScaling, UnsupportedModelError
+from nanoserve.model.checkpoint import gguf_header
+from nanoserve.model.config import ModelLoadError, RopeScaling, UnsupportedModelError
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
 from nanoserve.model.layers import rope_inv_freq
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, QuantizedRows
 from nanoserve.tokenizer import sentencepiece_bpe
+from nanoserve.tokenizer.pre_tokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS, PreTokenizer
 from nanoserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,34 +62,6 @@ ROPE_FREQS = "rope_freqs.weight"
 # llama.cpp files carry only the per-frequency factors in ROPE_FREQS.
 ROPE_SCALING_KEY = "nanoserve.rope_scaling"
 
-QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
-LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-
-
-class PreTokenizer(NamedTuple):
-    """How llama.cpp splits text for one `tokenizer.ggml.pre` value, and its defaults there."""
-
-    regex: str
-    ignore_merges: bool  # whole words found in the vocabulary skip BPE (Llama 3)
-    add_bos: bool  # default when the file has no tokenizer.ggml.add_bos_token
-
-
-# Canonical names first: the exporter writes the first name whose regex matches.
-PRE_TOKENIZERS = {
-    "qwen2": PreTokenizer(QWEN2_REGEX, ignore_merges=False, add_bos=False),
-    "deepseek-r1-qwen": PreTokenizer(QWEN2_REGEX, ignore_merges=False, add_bos=False),
-    "llama-bpe": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
-    "llama3": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
-    "llama-v3": PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
-    "gpt2": PreTokenizer(GPT2_REGEX, ignore_merges=False, add_bos=False),
-}
 # Control tokens llama.cpp treats as end of generation besides the eos/eot/eom ids in the metadata.
 _END_OF_GENERATION_TEXTS = frozenset(
     {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -139,7 +115,23 @@ class _Reader(GGUFReader):
     """`GGUFReader` that parses through a plain ndarray view of its memory map instead of the
     `np.memmap` itself: the same bytes, without numpy's Python-level memmap bookkeeping on every
     slice, which dominates reading a large vocabulary and its merges otherwise.
-    Overrides the reader's private `_get` with the same signature and result."""
+    Overrides the reader's private `_get` with the same signature and result, and checks before
+    the private `_build_tensors` views any tensor that every tensor lies inside the file."""
+
+    def __init__(self, path: str | Path, mode: Literal["r", "r+", "c"] = "r") -> None:
+        self._name = Path(path).name
+        super().__init__(path, mode)
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name, _, dims, kind, offset = field.parts
+            block, type_size = gguf.GGML_QUANT_SIZES[QType(int(kind[0]))]
+            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise ModelLoadError(f"{self._name}: truncated: tensor {bytes(name).decode()} ends past the file "
+                                     f"(at byte {end} of {size})")
+        super()._build_tensors(start_offs, fields)
 
     def _get(
         self, offset: int, dtype: npt.DTypeLike, count: int = 1,
@@ -149,6 +141,8 @@ class _Reader(GGUFReader):
         if flat is None:
             flat = self._flat = self.data.view(np.ndarray)
         count = int(count)
+        if offset + np.dtype(dtype).itemsize * count > len(flat):
+            raise ModelLoadError(f"{self._name}: truncated: the metadata ends past the file")
         arr = flat[offset : offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
@@ -156,18 +150,19 @@ class _Reader(GGUFReader):
 def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFCheckpoint:
     """Opens `path` and reads its metadata and tokenizer; tensors are read later by `weights()`.
 
-    Raises UnsupportedModelError naming the architecture (none of `families` is stored as it),
-    tokenizer or setting that nanoserve does not implement.
+    Raises UnsupportedModelError naming the architecture (none of `families` is stored as it;
+    found from the file's head before the rest is parsed), tokenizer or setting that nanoserve
+    does not implement, and ModelLoadError for a file that is not GGUF or is cut short.
     """
-    reader = _Reader(path, mode="c")
-    meta = _metadata(reader)
-    arch = meta.get("general.architecture")
-    family = families.for_gguf_arch(arch) if isinstance(arch, str) else None
+    arch = gguf_header.architecture(path)
+    family = families.for_gguf_arch(arch) if arch is not None else None
     if family is None:
         raise UnsupportedModelError(
             f"unsupported GGUF architecture {arch!r} in {Path(path).name}; "
             f"nanoserve reads {families.gguf_architectures}"
         )
+    reader = _open(path)
+    meta = _metadata(reader)
     generation_eos = _generation_eos(meta)
     tokenizer = _tokenizer(meta, generation_eos)
     hf_config = _hf_config(meta, family, {t.name: t for t in reader.tensors})
@@ -181,6 +176,26 @@ def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFChec
     if reader.tensors:  # metadata and tokenizer are parsed into Python values by now
         _release(mapping, 0, min(t.data_offset for t in reader.tensors))
     return GGUFCheckpoint(hf_config, tokenizer, generation_eos, tuple(reader.tensors), family, mapping)
+
+
+def read_gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a GGUF file alone, whatever its architecture (a vocabulary-only file, such as
+    llama.cpp's test vocabularies), as `read_gguf` builds it."""
+    meta = read_gguf_metadata(path)
+    return _tokenizer(meta, _generation_eos(meta))
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Every key/value pair of a GGUF file as Python values (as `read_gguf` reads them)."""
+    return _metadata(_open(path))
+
+
+def _open(path: str | Path) -> _Reader:
+    """The file's reader, its metadata parsed; a file it cannot lay out is a ModelLoadError."""
+    try:
+        return _Reader(path, mode="c")
+    except (ValueError, KeyError) as e:  # the gguf package's own checks of the layout
+        raise ModelLoadError(f"{Path(path).name}: not a valid GGUF file ({e})") from None
 
 
 def _release(mapping: mmap.mmap, start: int, end: int) -> None:
@@ -354,8 +369,9 @@ def _generation_eos(meta: dict[str, Any]) -> tuple[int, ...]:
 
 def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
     """Rebuilds the file's tokenizer: byte-level BPE (`tokenizer.ggml.model` "gpt2") from tokens,
-    token types and merges, or SentencePiece BPE ("llama": Llama 2, Mistral) from tokens, scores
-    and token types.
+    token types and merges, SentencePiece BPE ("llama": Llama 2, Mistral) from tokens, scores
+    and token types, or Gemma 4's BPE over SentencePiece-style pieces ("gemma4") from tokens,
+    token types and merges.
 
     Control tokens (type 3) become special added tokens, user-defined ones (type 4) non-special
     added tokens, as in the tokenizer.json they came from; unused (type 5) padding entries stay out
@@ -366,49 +382,64 @@ def _tokenizer(meta: dict[str, Any], stop_ids: tuple[int, ...]) -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
     tokens: list[str] = _require(meta, "tokenizer.ggml.tokens")
     types = meta.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    bos, eos = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
     if model == "gpt2":
-        backend, add_bos = _byte_level_bpe(meta, tokens, types)
+        backend, pre = _byte_level_bpe(meta, tokens, types)
+        add_bos = pre.add_bos
+        bos = bos if pre.has_bos else None
     elif model == "llama":
         backend = sentencepiece_bpe.build(tokens, _require(meta, "tokenizer.ggml.scores"), types,
                                           meta.get("tokenizer.ggml.unknown_token_id"),
                                           bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
         add_bos = True  # llama.cpp's default for SentencePiece vocabularies
+    elif model == "gemma4":
+        backend = sentencepiece_bpe.build_from_merges(tokens, _require(meta, "tokenizer.ggml.merges"), types)
+        add_bos = True
     else:
         raise UnsupportedModelError(
-            f"unsupported GGUF tokenizer model {model!r}; nanoserve reads byte-level BPE ('gpt2') "
-            "and SentencePiece BPE ('llama')"
+            f"unsupported GGUF tokenizer model {model!r}; nanoserve reads byte-level BPE ('gpt2'), "
+            "SentencePiece BPE ('llama') and Gemma 4's BPE ('gemma4')"
         )
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                 for i, kind in enumerate(types) if kind == TokenType.CONTROL])
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                         for i, kind in enumerate(types) if kind == TokenType.USER_DEFINED])
-    bos, eos = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
     return Tokenizer(
         backend,
         bos_token=None if bos is None else tokens[bos],
         eos_token=None if eos is None else tokens[eos],
         chat_template=meta.get("tokenizer.chat_template"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)),
+        # llama.cpp overrides a Gemma 4 file's add_bos_token false (its PR 21500)
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)) or model == "gemma4",
         extra_stop_token_ids=stop_ids,
         tool_chat_template=meta.get("tokenizer.chat_template.tool_use"),
     )
 
 
-def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[tokenizers.Tokenizer, bool]:
+def _byte_level_bpe(
+    meta: dict[str, Any], tokens: list[str], types: list[int]
+) -> tuple[tokenizers.Tokenizer, PreTokenizer]:
     """The byte-level BPE model of a "gpt2" vocabulary, split as llama.cpp splits for the file's
-    `tokenizer.ggml.pre`, and that pre-tokenizer's default for adding BOS."""
-    pre_name = meta.get("tokenizer.ggml.pre", "default")
+    `tokenizer.ggml.pre` (`nanoserve.tokenizer.pre_tokenizers`; none given is llama.cpp's
+    "default", with its warning), and that pre-tokenizer's rule (its BOS defaults)."""
+    pre_name = meta.get("tokenizer.ggml.pre")
+    if pre_name is None:
+        log.warning("GGUF vocabulary names no pre-tokenizer: splitting with llama.cpp's 'default' rules, "
+                    "which may not be the ones the model was trained with")
+        pre_name = "default"
     if pre_name not in PRE_TOKENIZERS:
+        kind = "a vocabulary that is not byte-level BPE" if pre_name in NOT_BYTE_LEVEL else "unknown"
         raise UnsupportedModelError(
-            f"unsupported GGUF pre-tokenizer {pre_name!r}; nanoserve knows {sorted(PRE_TOKENIZERS)}"
+            f"unsupported GGUF pre-tokenizer {pre_name!r} ({kind}); nanoserve reads the {len(PRE_TOKENIZERS)} "
+            "names llama.cpp reads for byte-level BPE (nanoserve.tokenizer.pre_tokenizers)"
         )
     pre = PRE_TOKENIZERS[pre_name]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    if "tokenizer.ggml.merges" not in meta:  # llama.cpp reads kimi-k2 without them, by its own code
+        raise UnsupportedModelError(f"GGUF byte-level BPE vocabulary (pre-tokenizer {pre_name!r}) without "
+                                    "tokenizer.ggml.merges: nanoserve merges by the stored merges only")
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)) if kind != TokenType.UNUSED}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend = tokenizers.Tokenizer(pre.model(vocab, merges))
+    backend.pre_tokenizer = pre.pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
-    return backend, pre.add_bos
+    return backend, pre
