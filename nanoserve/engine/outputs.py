@@ -10,6 +10,7 @@ from typing import NamedTuple
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.kv.manager import KVStats, blocks_needed
+from nanoserve.model.checkpoint.pooling import PoolingConfig
 
 __all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "EngineStats", "KVStats", "PromptLogprob",
            "RequestOutput", "SequenceDelta", "SequenceProgress", "SequenceStats", "SpecStats", "StepOutput",
@@ -29,7 +30,8 @@ class PromptLogprob(NamedTuple):
 @dataclass(slots=True)
 class SequenceDelta:
     """What one sequence produced in one step. `text` is final (never revised). The token that
-    ended a sequence by EOS or a stop id is in `token_ids` but not in `text`."""
+    ended a sequence by EOS or a stop id is in `token_ids` but not in `text`. A pooling sequence
+    has one delta: no tokens, its `embedding`, finish reason "stop"."""
 
     request_id: str
     index: int
@@ -43,6 +45,7 @@ class SequenceDelta:
     # With `prompt_logprobs`, in the first delta of the request's first sample only: one entry per
     # prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -194,7 +197,8 @@ class EngineStats:
 class EngineLimits:
     """What decides whether a request can ever run, apart from the engine (a front end in another
     process validates with it before anything is queued). `reserve_blocks`: blocks every sequence
-    takes whatever its length (the contiguous layout), else 0."""
+    takes whatever its length (the contiguous layout), else 0. `pooling`: how the model's
+    embeddings are made (None: it makes none)."""
 
     max_model_len: int
     num_blocks: int
@@ -202,6 +206,7 @@ class EngineLimits:
     reserve_blocks: int
     vocab_size: int
     detokenizes: bool
+    pooling: PoolingConfig | None = None
 
     @property
     def max_tokens_in_pool(self) -> int:
@@ -212,12 +217,14 @@ class EngineLimits:
         """Raises ValueError, with the numbers, when a request can never run."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        total = len(prompt_ids) + params.max_tokens
+        if params.pooling is not None:
+            self.validate_pooling(params)
+        total = len(prompt_ids) + (0 if params.pooling is not None else params.max_tokens)
         if total > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{total} ({len(prompt_ids)} in the prompt + {params.max_tokens} max_tokens)"
-            )
+            asked = (f"{total} in the input" if params.pooling is not None
+                     else f"{total} ({len(prompt_ids)} in the prompt + {params.max_tokens} max_tokens)")
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; "
+                             f"the request asks for {asked}")
         blocks = blocks_needed(total, self.block_size, self.reserve_blocks)
         if blocks > self.num_blocks:
             raise ValueError(f"the request needs {blocks} KV blocks; the pool has {self.num_blocks}")
@@ -231,3 +238,11 @@ class EngineLimits:
             raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size})")
         if params.bad_words and not self.detokenizes:
             raise ValueError("bad_words need a tokenizer")
+
+    def validate_pooling(self, params: SamplingParams) -> None:
+        """Raises ValueError unless the model makes embeddings the way `params.pooling` asks."""
+        assert params.pooling is not None
+        if self.pooling is None:
+            raise ValueError("this model makes no embeddings")
+        if params.pooling.dimensions is not None:
+            self.pooling.check_dimensions(params.pooling.dimensions)

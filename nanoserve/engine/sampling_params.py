@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+POOLING_METHODS = ("mean", "last")  # over the prompt's final hidden states, or its last one
+
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
@@ -56,6 +58,22 @@ class StructuredOutputs:
                 raise ValueError(f"{name} must be a non-empty string")
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """`method`: "mean" over the prompt's rows or its "last" row; `dimensions`: the first that many
+    values of the vector (None: all); `normalize`: to unit L2 norm."""
+
+    method: str = "mean"
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise ValueError(f"pooling method must be one of {', '.join(POOLING_METHODS)}, got {self.method!r}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be positive, got {self.dimensions}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops.
@@ -74,6 +92,8 @@ class SamplingParams:
     tokens before it and the k most likely tokens there.
     `structured` constrains the output to a JSON schema, regex, choice or grammar (see
     `StructuredOutputs`).
+    `pooling` makes the request a pooling one (see `nanoserve.engine.pooling`): its prompt is run for
+    one embedding, nothing is generated, and no other field applies (`n` is 1).
     """
 
     n: int = 1
@@ -100,6 +120,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # `bad_words` as token sequences (see `resolve_bad_words`); filled by the front end or the engine.
     bad_words_token_ids: list[list[int]] | None = None
+    pooling: PoolingParams | None = None
 
     MAX_LOGPROBS = 20
 
@@ -154,6 +175,8 @@ class SamplingParams:
             (all(isinstance(w, str) and w for w in self.bad_words), "bad_words must be a list of non-empty strings"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (self.pooling is None or (self.n == 1 and self.prompt_logprobs is None and self.structured is None),
+             "a pooling request takes n = 1 and neither prompt_logprobs nor structured output"),
         ]
         for ok, message in checks:
             if not ok:
