@@ -35,6 +35,7 @@ from nanoserve.runtime.engine_core import EngineState
 from nanoserve.runtime.metrics import Metrics
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS
+from nanoserve.server.protocol.embeddings import EmbeddingRequest
 from nanoserve.server.protocol.errors import APIError, error_body, install_error_handlers, invalid_request
 from nanoserve.server.protocol.openai import (
     ChatCompletionRequest,
@@ -46,6 +47,7 @@ from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.serving import Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
+from nanoserve.server.serving_embeddings import create_embedding
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
 
@@ -115,7 +117,8 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     _add_routes(app, serving, metrics)
     register_pages(app)
     _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+                           "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
+                           "/detokenize": DetokenizeRequest})
     register_dashboard(app, async_engine)
     return app
 
@@ -197,6 +200,10 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await create_completion(serving, await _parse(request, CompletionRequest), request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(serving, await _parse(request, EmbeddingRequest), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

@@ -15,6 +15,8 @@ from nanoserve.engine.sampling_params import PoolingParams, SamplingParams
 from nanoserve.model import load_model
 from nanoserve.runtime.builder import build_engine
 
+from support.embeddings import cosine, hf_embeddings
+
 PROMPT_LENGTHS = (3, 17, 40, 1, 29)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -22,25 +24,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def hf_embeddings(path, prompts: list[list[int]], method: str) -> list[torch.Tensor]:
-    """transformers' final hidden states (after the final norm) of each prompt, pooled by `method`
-    ("mean" or "last") and L2-normalized, in fp32."""
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            hidden = hf.model(torch.tensor([p])).last_hidden_state[0]
-            pooled = hidden.mean(dim=0) if method == "mean" else hidden[-1]
-            out.append(torch.nn.functional.normalize(pooled, dim=0))
-    return out
-
-
-def cosine(a: list[float], b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(torch.tensor(a), b, dim=0))
 
 
 @pytest.fixture(scope="module")
