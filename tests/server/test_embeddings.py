@@ -48,6 +48,20 @@ def last_token_checkpoint(source: Path, target: Path) -> Path:
     return target
 
 
+def bare_decoder_checkpoint(source: Path, target: Path) -> Path:
+    """`source`'s decoder saved alone, as embedding models ship (Qwen3-Embedding is a `Qwen3Model`:
+    tensor names without the `model.` prefix, no LM head), declaring last-token pooling."""
+    import transformers
+
+    transformers.AutoModel.from_pretrained(source, dtype=torch.float32).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, target / name)
+    last = last_token_checkpoint(source, target.parent / "last-source")
+    for name in ("modules.json", "1_Pooling"):
+        (shutil.copytree if (last / name).is_dir() else shutil.copy)(last / name, target / name)
+    return target
+
+
 def _served(path: Path) -> Iterator[tuple[str, Any]]:
     engine = build_engine(EngineArgs(model=str(path), dtype="float32", **ENGINE_ARGS))
     with serve(engine) as served:
@@ -131,6 +145,25 @@ def test_last_token_pooling_and_dimensions(last_server: tuple[str, Any], last_ck
     too_many = httpx.post(f"{url}/v1/embeddings", json={"input": "a", "dimensions": 65})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "dimensions"
     wait_idle(app)
+
+
+def test_a_bare_decoder_checkpoint(last_ckpt: Path, mean_ckpt: Path, tmp_path: Path) -> None:
+    path = bare_decoder_checkpoint(mean_ckpt, tmp_path / "bare")
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert "embed_tokens.weight" in names and not any(k.startswith("model.") for k in names)
+    served = _served(path)
+    url, app = next(served)
+    try:
+        ids = [token_ids(url, t) for t in TEXTS]
+        refs = hf_embeddings(last_ckpt, ids, "last")
+        out = client(url).embeddings.create(model=SERVED, input=TEXTS, encoding_format="float")
+        assert all(cosine(d.embedding, ref) > SIMILAR for d, ref in zip(out.data, refs, strict=True))
+        wait_idle(app)
+    finally:
+        served.close()
 
 
 @pytest.mark.parametrize(("body", "param"), [
