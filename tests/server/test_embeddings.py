@@ -5,6 +5,7 @@ ships), Matryoshka `dimensions`, base64, and the 400s."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import shutil
@@ -164,6 +165,42 @@ def test_a_bare_decoder_checkpoint(last_ckpt: Path, mean_ckpt: Path, tmp_path: P
         wait_idle(app)
     finally:
         served.close()
+
+
+def test_an_engine_core_process_beside_generation(last_ckpt: Path) -> None:
+    """The core in its own process (the vectors cross the pipe), embeddings requested while
+    completions stream: each vector is transformers'."""
+    from nanoserve.server import ServerConfig, build_app
+    from nanoserve.server.http_server import ServerThread
+
+    app = build_app(EngineArgs(model=str(last_ckpt), dtype="float32", max_num_batched_tokens=16, **ENGINE_ARGS),
+                    ServerConfig(served_model_name=SERVED))
+    with ServerThread(app) as server:
+        server.wait_healthy(timeout=120)
+        url = server.url
+        ids = [token_ids(url, t) for t in TEXTS]
+        refs = hf_embeddings(last_ckpt, ids, "last")
+        aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        async def generate(i: int) -> int:
+            stream = await aclient.completions.create(model=SERVED, prompt=TEXTS[i % 3], max_tokens=24,
+                                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+            return len([c async for c in stream])
+
+        async def embed(i: int) -> list[float]:
+            out = await aclient.embeddings.create(model=SERVED, input=TEXTS[i % 3], encoding_format="float")
+            return out.data[0].embedding
+
+        async def both() -> tuple[list[int], list[list[float]]]:
+            streams = [asyncio.ensure_future(generate(i)) for i in range(3)]
+            await asyncio.sleep(0.05)
+            vectors = await asyncio.gather(*(embed(i) for i in range(6)))
+            return list(await asyncio.gather(*streams)), list(vectors)
+
+        chunks, vectors = asyncio.run(both())
+        assert all(n > 0 for n in chunks)
+        assert all(cosine(v, refs[i % 3]) > SIMILAR for i, v in enumerate(vectors))
+        wait_idle(app)
 
 
 @pytest.mark.parametrize(("body", "param"), [
