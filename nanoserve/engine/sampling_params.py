@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, with the names vLLM and the OpenAI API use."""
+"""Per-request sampling parameters, with the names vLLM and the OpenAI API use, and the pooling
+parameters of a request run for its embedding (`PoolingParams`, see `nanoserve.engine.pooling`)."""
 
 from __future__ import annotations
 
