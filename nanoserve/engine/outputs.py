@@ -98,6 +98,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     prompt_logprobs: list[PromptLogprob | None] | None = None  # see SequenceDelta
+    embedding: list[float] | None = None  # of a pooling request, once it finished
 
     @property
     def finished(self) -> bool:
@@ -112,6 +113,8 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.logprobs is not None:
             if out.logprobs is None:
                 out.logprobs, out.top_logprobs = [], []

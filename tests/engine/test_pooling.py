@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from nanoserve import LLM
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampling_params import PoolingParams, SamplingParams
@@ -156,3 +157,16 @@ def test_pooling_validation(model):
         SamplingParams(n=2, pooling=PoolingParams())
     with pytest.raises(ValueError, match="pooling method"):
         PoolingParams("cls")
+
+
+def test_offline_embed(model):
+    """`LLM.embed` pools as the checkpoint declares (mean: it declares nothing)."""
+    loaded, prompts, refs = model
+    llm = LLM(loaded=loaded, max_model_len=128, max_num_batched_tokens=16)
+    vectors = llm.embed(prompts)
+    assert all(cosine(v, ref) > 0.9999 for v, ref in zip(vectors, refs["mean"], strict=True))
+    (alone,) = llm.embed(prompts[1])  # other chunks, other kernels: equal to rounding
+    assert torch.allclose(torch.tensor(alone), torch.tensor(vectors[1]), atol=1e-5)
+    with pytest.raises(ValueError, match="Matryoshka"):
+        llm.embed(prompts, dimensions=8)
+    assert llm.engine.kv_stats().blocks_used == 0
