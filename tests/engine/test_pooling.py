@@ -170,3 +170,15 @@ def test_offline_embed(model):
     with pytest.raises(ValueError, match="Matryoshka"):
         llm.embed(prompts, dimensions=8)
     assert llm.engine.kv_stats().blocks_used == 0
+
+
+def test_no_drafts_for_a_pooling_prompt_one_token_short(model):
+    """A repetitive prompt cut 8 + 8 + 1: before its last chunk it looks like a decode that the
+    n-gram proposer could draft for; a pooling sequence gets none, and its vector stays exact."""
+    loaded, _, _ = model
+    prompt = [5, 6, 7] * 5 + [5, 6]
+    (ref,) = hf_embeddings(loaded.path, [prompt], "last")
+    engine = build_engine(EngineArgs(max_model_len=128, max_num_batched_tokens=8, block_size=4,
+                                     speculative_method="ngram", num_speculative_tokens=3), loaded)
+    embeddings, tokens = run(engine, {"e": (prompt, pooling("last")), "g": (prompt, GREEDY)})
+    assert cosine(embeddings["e"], ref) > 0.9999 and len(tokens["g"]) == GREEDY.max_tokens
