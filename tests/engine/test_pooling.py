@@ -4,6 +4,7 @@ prefix cache, with every block freed after."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -182,3 +183,31 @@ def test_no_drafts_for_a_pooling_prompt_one_token_short(model):
                                      speculative_method="ngram", num_speculative_tokens=3), loaded)
     embeddings, tokens = run(engine, {"e": (prompt, pooling("last")), "g": (prompt, GREEDY)})
     assert cosine(embeddings["e"], ref) > 0.9999 and len(tokens["g"]) == GREEDY.max_tokens
+
+
+def test_pooling_declarations(tmp_path):
+    from nanoserve.model.checkpoint.pooling import PoolingConfig, read_pooling_config
+
+    def declare(name: str, modes: dict[str, bool], config: dict | None = None):
+        folder = tmp_path / name
+        (folder / "1_Pooling").mkdir(parents=True)
+        (folder / "modules.json").write_text(json.dumps(
+            [{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+        (folder / "config.json").write_text(json.dumps(config or {}))
+        return folder
+
+    assert read_pooling_config(tmp_path / "model.gguf", 64) == PoolingConfig("mean", 64)
+    last = read_pooling_config(declare("last", {"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False},
+                                       {"matryoshka_dimensions": [16, 32]}), 64)
+    assert last == PoolingConfig("last", 64, True, (16, 32))
+    last.check_dimensions(32)
+    with pytest.raises(ValueError, match=r"one of \[16, 32\]"):
+        last.check_dimensions(8)
+    assert read_pooling_config(declare("mean", {"pooling_mode_mean_tokens": True}), 64).method == "mean"
+    with pytest.raises(ValueError, match="pooling_mode_cls_token"):
+        read_pooling_config(declare("cls", {"pooling_mode_cls_token": True}), 64)
+    anything = read_pooling_config(declare("any", {}, {"is_matryoshka": True}), 64)
+    anything.check_dimensions(64)
+    with pytest.raises(ValueError, match=r"\[1, 64\]"):
+        anything.check_dimensions(65)
