@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from nanoserve.attention.metadata import AttentionMetadata
+from nanoserve.engine.pooling import PoolSpan
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.engine.sequence import Sequence
 
@@ -30,6 +31,8 @@ class PreparedBatch(NamedTuple):
     (sequences whose prompt logprobs are wanted), the positions first .. first + count - 1 of its
     prompt, each of which predicts the prompt token after it. When that is every row in order (a
     step of decodes and verifications only), it is `slice(None)`, so the logits need no gather.
+    Pooling sequences (`SamplingParams.pooling`) have no logits row: their rows are listed in
+    `pooled`, one span per such sequence in the step, whether or not it reaches its prompt's end.
     """
 
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -39,6 +42,7 @@ class PreparedBatch(NamedTuple):
     sampled: list[Sequence]
     verified: list[Sequence]
     prompt_rows: tuple[tuple[Sequence, int, int], ...] = ()
+    pooled: tuple[PoolSpan, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -58,13 +62,17 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
     verified: list[Sequence] = []
     prompt_rows: list[int] = []
     prompt_spans: list[tuple[Sequence, int, int]] = []
+    pooled: list[PoolSpan] = []
     for seq, n in plan.scheduled:
         start = seq.num_computed_tokens
         row = len(ids)
         starts.append(start)
         query_lens.append(n)
         tables.append(seq.table.blocks)
-        if seq.draft is None:
+        if seq.params.pooling is not None:
+            ids += seq.all_token_ids[start : start + n]
+            pooled.append(PoolSpan(seq, row, start, n))
+        elif seq.draft is None:
             ids += seq.all_token_ids[start : start + n]
             if start + n == len(seq.all_token_ids):
                 sample_rows.append(row + n - 1)
@@ -101,8 +109,8 @@ def prepare_batch(plan: StepPlan, block_size: int, device: torch.device) -> Prep
                                    device)
     rows = sample_rows + verify_rows + prompt_rows
     logits_rows: torch.Tensor | slice = slice(None)  # every row: decodes (first) and verifications, in order
-    if len(rows) < num_tokens or prompt_rows:
+    if len(rows) < num_tokens or prompt_rows or pooled:
         logits_rows = torch.from_numpy(np.array(rows, dtype=np.int64)).to(device)
     return PreparedBatch(torch.from_numpy(np.array(ids, dtype=np.int64)).to(device),
                          torch.from_numpy(positions).to(device), meta, logits_rows, sampled, verified,
-                         tuple(prompt_spans))
+                         tuple(prompt_spans), tuple(pooled))

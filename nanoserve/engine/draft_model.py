@@ -80,7 +80,7 @@ class DraftModelProposer:
                         shadow.mirror.all_token_ids += native[shadow.mirror]
                         shadow.mirror.num_computed_tokens = shadow.mirror.num_tokens - 1  # all but the last draft
                     break
-            logits, batch = self.runner.forward(plan)
+            logits, batch, _ = self.runner.forward(plan)
             # Logits rows follow `batch.sampled` (the plan's order). Greedy rows draft the argmax (q is
             # a point mass: nothing to keep); sampled rows draw from q, all in one `sampling_probs`,
             # each with one uniform from its own stream.

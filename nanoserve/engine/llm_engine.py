@@ -5,7 +5,10 @@ and returns what each sequence produced in that step and which requests ended in
 ends a request and frees its blocks at once. Single-threaded: the server drives it from one
 engine thread. A request with a structured-output constraint not yet compiled waits outside the
 scheduler while the grammar compiler's threads compile it (vLLM's WAITING_FOR_FSM): the loop never
-compiles, and other requests keep stepping. Built by `nanoserve.runtime.builder`, which sizes
+compiles, and other requests keep stepping. A pooling request (`SamplingParams.pooling`) runs its
+prompt like any prefill and ends in the step that computes its last prompt token, its one delta
+carrying the embedding (see `nanoserve.engine.pooling`); its blocks are cached and freed as a
+finished request's are. Built by `nanoserve.runtime.builder`, which sizes
 everything it is given; what leaves it is typed in `nanoserve.engine.outputs`, and front ends read
 its state through the read-only accessors below, never through the scheduler or the KV manager.
 """
@@ -42,6 +45,7 @@ from nanoserve.engine.sequence import Sequence, Status
 from nanoserve.engine.spec_decode import Proposer, SpecStats
 from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.kv.manager import KVCacheManager
+from nanoserve.model.checkpoint.pooling import PoolingConfig
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.tokenizer.text_stream import TextStream
 
@@ -62,14 +66,16 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, num_blocks: int, tokenizer: Tokenizer | None, args: EngineArgs,
-                 proposer: Proposer | None = None, sampling_defaults: dict[str, float | int] | None = None) -> None:
+                 proposer: Proposer | None = None, sampling_defaults: dict[str, float | int] | None = None,
+                 pooling: PoolingConfig | None = None) -> None:
         """`runner`: over a KV pool of `num_blocks` blocks of `args.block_size` tokens; `args`
         resolved (max_model_len set). `tokenizer=None` skips detokenization (token ids only; stop
         strings then unsupported). With a `proposer`, decoding sequences verify up to
         `args.num_speculative_tokens` drafts a step; so do sequences with a `prediction`, with or
         without one (their drafts come from the prediction, and from the proposer only in steps
         where the prediction has none to offer). `sampling_defaults`: SamplingParams fields
-        front ends fill in when a request leaves them unset (the model's generation config)."""
+        front ends fill in when a request leaves them unset (the model's generation config).
+        `pooling`: how the model makes embeddings (None: it takes no pooling request)."""
         if args.max_model_len is None:
             raise ValueError("the engine takes resolved EngineArgs (max_model_len set)")
         self.args = args
@@ -88,7 +94,7 @@ class LLMEngine:
         self.stop_token_ids = runner.stop_token_ids
         self.limits = EngineLimits(max_model_len=self.max_model_len, num_blocks=num_blocks, block_size=args.block_size,
                                    reserve_blocks=self.kv.reserve_blocks, vocab_size=runner.vocab_size,
-                                   detokenizes=tokenizer is not None)
+                                   detokenizes=tokenizer is not None, pooling=pooling)
         self.proposer = proposer
         self.predictions = PredictionProposer()
         self._predicted: set[Sequence] = set()  # sequences whose pending drafts came from their prediction
@@ -215,7 +221,7 @@ class LLMEngine:
             if i and self.kv.cache is not None:
                 seq.wait_for = group.sequences[0]
             group.sequences.append(seq)
-            group.streams.append(None if self.tokenizer is None else TextStream(
+            group.streams.append(None if self.tokenizer is None or params.pooling is not None else TextStream(
                 self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens,
                 params.include_stop_str_in_output))
         compiled = None
@@ -311,6 +317,11 @@ class LLMEngine:
             known[first : first + len(entries)] = entries
         out = result.sampled
         deltas = []
+        for seq, embedding in result.pooled:
+            deltas.append(SequenceDelta(seq.request_id, seq.index, [], "", "stop",
+                                        num_prompt_tokens=seq.num_prompt_tokens,
+                                        num_cached_tokens=max(seq.num_cached_tokens, 0), embedding=embedding))
+            self._finish(seq, "stop")
         for row, seq in enumerate(result.sequences):
             prompt_logprobs = None
             if seq.needs_prompt_logprobs:
@@ -380,7 +391,7 @@ class LLMEngine:
         keeps exact:
         no penalties (they would change between drafts), no token constraints (logit_bias,
         allowed_token_ids, bad_words: verification does not apply them), no grammar (its mask would
-        have to follow each draft), no logprobs, min_tokens reached; none while more sequences run
+        have to follow each draft), no logprobs, min_tokens reached, not pooling; none while more sequences run
         than `speculative_disable_by_batch_size` (a batch that large already reads each weight once
         for many tokens, so drafts cost more than they save; a draft model catches up on the tokens
         it missed when it drafts again)."""
@@ -395,8 +406,8 @@ class LLMEngine:
                     log.info("speculative decoding: constrained (structured-output) sequences get no drafts")
                     self._told_no_drafts = True
                 continue
-            if (seq.num_tokens - seq.num_computed_tokens != 1 or p.uses_penalties or p.logprobs is not None
-                    or seq.num_output_tokens < p.min_tokens or p.uses_token_constraints):
+            if (seq.num_tokens - seq.num_computed_tokens != 1 or p.pooling is not None or p.uses_penalties
+                    or p.logprobs is not None or seq.num_output_tokens < p.min_tokens or p.uses_token_constraints):
                 continue
             k = min(self.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)

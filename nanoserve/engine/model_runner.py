@@ -3,7 +3,9 @@
 Owns the KV cache tensor (one pool for all layers), the attention backend, the sampler and the
 per-request random generators of seeded requests. A step runs through the model's Python forward,
 a captured CUDA graph (`cuda_graph`), or on the CPU the whole decoder in one native call
-(`nanoserve.model.native_decoder`), whichever applies; all give the same hidden states.
+(`nanoserve.model.native_decoder`), whichever applies; all give the same hidden states. The
+hidden states of pooling sequences' rows go to the `Pooler` (never through a CUDA graph, which
+returns logits only).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from nanoserve.engine.batch import PreparedBatch, prepare_batch
 from nanoserve.engine.cuda_graph import DecodeGraphs
 from nanoserve.engine.model_protocol import KVShape, Model
 from nanoserve.engine.outputs import PromptLogprob
+from nanoserve.engine.pooling import Pooled, Pooler
 from nanoserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, sampling_probs
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.engine.sequence import Sequence
@@ -35,12 +38,14 @@ class StepResult(NamedTuple):
     """What the step produced: `sampled` holds one token per sequence of `sequences` (those that
     reached their last token without drafts); `verified` the kept tokens (accepted drafts + one)
     of each sequence whose drafts were verified; `prompt_logprobs` per (sequence, first position)
-    the logprobs of its prompt tokens first + 1, first + 2, ... computed in this step."""
+    the logprobs of its prompt tokens first + 1, first + 2, ... computed in this step; `pooled` the
+    embedding of each pooling sequence whose prompt ended in this step."""
 
     sequences: list[Sequence]
     sampled: SamplerOutput
     verified: list[tuple[Sequence, list[int]]]
     prompt_logprobs: tuple[tuple[Sequence, int, list[PromptLogprob]], ...] = ()
+    pooled: Pooled = ()
 
 
 def _proposal(seq: Sequence) -> Proposal:
@@ -63,6 +68,7 @@ class ModelRunner:
         self.stop_token_ids = stop_token_ids
         self.backend = backend or TorchAttention()
         self.sampler = Sampler()
+        self.pooler = Pooler()
         # Zero-filled: padded block-table reads are masked, and a zero never turns into NaN.
         self.kv_cache = torch.zeros(kv_shape.num_layers, 2, num_blocks, block_size, kv_shape.num_kv_heads,
                                     kv_shape.head_dim, dtype=model.dtype, device=device)
@@ -79,16 +85,18 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, num_kv_heads, max_batch_size, max_model_len,
                                           self.block_size)
 
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, PreparedBatch]:
-        """One forward pass over the plan: the logits at the batch's `logits_rows`, and the batch."""
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, PreparedBatch, Pooled]:
+        """One forward pass over the plan: the logits at the batch's `logits_rows`, the batch, and
+        the embeddings of the pooling sequences whose prompt ends in it (see `Pooler.pool`)."""
         batch = prepare_batch(plan, self.block_size, self.device)
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
-            return self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta), batch
+        if not batch.pooled and self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta), batch, ()
         if self.native is not None and self.native.fits(batch.num_tokens):
             hidden = self.native(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.backend)
-        return self.model.compute_logits(hidden[batch.logits_rows]), batch
+        pooled = self.pooler.pool(hidden, batch.pooled) if batch.pooled else ()
+        return self.model.compute_logits(hidden[batch.logits_rows]), batch, pooled
 
     def draft_greedy(self, plan: StepPlan, budgets: dict[Sequence, int],
                      min_confidence: float) -> dict[Sequence, list[int]] | None:
@@ -105,7 +113,7 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         masks = self._start_masks(plan)
-        logits, batch = self.forward(plan)
+        logits, batch, pooled = self.forward(plan)
         num_sampled = len(batch.sampled)
         sampled = SamplerOutput([], None, None)
         if num_sampled:
@@ -114,9 +122,9 @@ class ModelRunner:
         num_prompt = sum(count for _, _, count in batch.prompt_rows)
         verified = self._verify(logits[num_sampled : logits.shape[0] - num_prompt], batch.verified)
         if not num_prompt:
-            return StepResult(batch.sampled, sampled, verified)
+            return StepResult(batch.sampled, sampled, verified, pooled=pooled)
         prompt = self._prompt_logprobs(logits[logits.shape[0] - num_prompt :], batch.prompt_rows)
-        return StepResult(batch.sampled, sampled, verified, prompt)
+        return StepResult(batch.sampled, sampled, verified, prompt, pooled)
 
     @torch.inference_mode()
     def _prompt_logprobs(self, logits: torch.Tensor, spans: tuple[tuple[Sequence, int, int], ...]
@@ -181,7 +189,7 @@ class ModelRunner:
         matchers = []
         row = 0
         for seq, n in plan.scheduled:
-            if seq.draft is None and seq.num_computed_tokens + n == seq.num_tokens:
+            if seq.draft is None and seq.params.pooling is None and seq.num_computed_tokens + n == seq.num_tokens:
                 if seq.grammar is not None:
                     rows.append(row)
                     matchers.append(seq.grammar)
@@ -204,8 +212,9 @@ class ModelRunner:
         ranks); this one holds nothing there."""
 
     def release(self, seq: Sequence) -> None:
-        """Forgets a finished request's generator."""
+        """Forgets a finished request's generator and running pooled sum."""
         self._generators.pop(seq.key, None)
+        self.pooler.release(seq)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """The request's own generator when it is seeded and samples (created on first use)."""

@@ -10,6 +10,7 @@ from typing import NamedTuple
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.kv.manager import KVStats, blocks_needed
+from nanoserve.model.checkpoint.pooling import PoolingConfig
 
 __all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "EngineStats", "KVStats", "PromptLogprob",
            "RequestOutput", "SequenceDelta", "SequenceProgress", "SequenceStats", "SpecStats", "StepOutput",
@@ -29,7 +30,8 @@ class PromptLogprob(NamedTuple):
 @dataclass(slots=True)
 class SequenceDelta:
     """What one sequence produced in one step. `text` is final (never revised). The token that
-    ended a sequence by EOS or a stop id is in `token_ids` but not in `text`."""
+    ended a sequence by EOS or a stop id is in `token_ids` but not in `text`. A pooling sequence
+    has one delta: no tokens, its `embedding`, finish reason "stop"."""
 
     request_id: str
     index: int
@@ -47,6 +49,7 @@ class SequenceDelta:
     # and rejected (computed, not output).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -99,6 +102,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     prompt_logprobs: list[PromptLogprob | None] | None = None  # see SequenceDelta
+    embedding: list[float] | None = None  # of a pooling request, once it finished
 
     @property
     def finished(self) -> bool:
@@ -113,6 +117,8 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.logprobs is not None:
             if out.logprobs is None:
                 out.logprobs, out.top_logprobs = [], []
@@ -198,7 +204,8 @@ class EngineStats:
 class EngineLimits:
     """What decides whether a request can ever run, apart from the engine (a front end in another
     process validates with it before anything is queued). `reserve_blocks`: blocks every sequence
-    takes whatever its length (the contiguous layout), else 0."""
+    takes whatever its length (the contiguous layout), else 0. `pooling`: how the model's
+    embeddings are made (None: it makes none)."""
 
     max_model_len: int
     num_blocks: int
@@ -206,6 +213,7 @@ class EngineLimits:
     reserve_blocks: int
     vocab_size: int
     detokenizes: bool
+    pooling: PoolingConfig | None = None
 
     @property
     def max_tokens_in_pool(self) -> int:
@@ -216,12 +224,14 @@ class EngineLimits:
         """Raises ValueError, with the numbers, when a request can never run."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        total = len(prompt_ids) + params.max_tokens
+        if params.pooling is not None:
+            self.validate_pooling(params)
+        total = len(prompt_ids) + (0 if params.pooling is not None else params.max_tokens)
         if total > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{total} ({len(prompt_ids)} in the prompt + {params.max_tokens} max_tokens)"
-            )
+            asked = (f"{total} in the input" if params.pooling is not None
+                     else f"{total} ({len(prompt_ids)} in the prompt + {params.max_tokens} max_tokens)")
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; "
+                             f"the request asks for {asked}")
         blocks = blocks_needed(total, self.block_size, self.reserve_blocks)
         if blocks > self.num_blocks:
             raise ValueError(f"the request needs {blocks} KV blocks; the pool has {self.num_blocks}")
@@ -239,3 +249,11 @@ class EngineLimits:
             raise ValueError("prediction needs a tokenizer (or prediction_token_ids)")
         if any(not 0 <= t < self.vocab_size for t in params.prediction_token_ids or ()):
             raise ValueError(f"prediction token ids must be in [0, {self.vocab_size})")
+
+    def validate_pooling(self, params: SamplingParams) -> None:
+        """Raises ValueError unless the model makes embeddings the way `params.pooling` asks."""
+        assert params.pooling is not None
+        if self.pooling is None:
+            raise ValueError("this model makes no embeddings")
+        if params.pooling.dimensions is not None:
+            self.pooling.check_dimensions(params.pooling.dimensions)

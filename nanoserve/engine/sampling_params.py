@@ -1,10 +1,13 @@
-"""Per-request sampling parameters, with the names vLLM and the OpenAI API use."""
+"""Per-request sampling parameters, with the names vLLM and the OpenAI API use, and the pooling
+parameters of a request run for its embedding (`PoolingParams`, see `nanoserve.engine.pooling`)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+POOLING_METHODS = ("mean", "last")  # over the prompt's final hidden states, or its last one
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,22 @@ class StructuredOutputs:
                 raise ValueError(f"{name} must be a non-empty string")
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """`method`: "mean" over the prompt's rows or its "last" row; `dimensions`: the first that many
+    values of the vector (None: all); `normalize`: to unit L2 norm."""
+
+    method: str = "mean"
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise ValueError(f"pooling method must be one of {', '.join(POOLING_METHODS)}, got {self.method!r}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be positive, got {self.dimensions}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops.
@@ -76,6 +95,8 @@ class SamplingParams:
     `StructuredOutputs`).
     `prediction` is text the output is expected to mostly repeat (OpenAI's Predicted Outputs): its
     tokens are proposed as drafts and verified exactly, so it changes the speed, never the output.
+    `pooling` makes the request a pooling one (see `nanoserve.engine.pooling`): its prompt is run for
+    one embedding, nothing is generated, and no other field applies (`n` is 1).
     """
 
     n: int = 1
@@ -105,6 +126,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     # `prediction` as tokens (see `resolve_prediction`); filled by the front end or the engine.
     prediction_token_ids: list[int] | None = None
+    pooling: PoolingParams | None = None
 
     MAX_LOGPROBS = 20
 
@@ -160,6 +182,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (self.prediction is None or isinstance(self.prediction, str), "prediction must be a string"),
+            (self.pooling is None or (self.n == 1 and self.prompt_logprobs is None and self.structured is None),
+             "a pooling request takes n = 1 and neither prompt_logprobs nor structured output"),
         ]
         for ok, message in checks:
             if not ok:

@@ -124,8 +124,8 @@ class Scheduler:
                 if not (sibling.finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens):
                     continue
                 seq.wait_for = None
-            # The table is empty here. Prompt logprobs need every prompt row, so no prefix match then.
-            if not seq.needs_prompt_logprobs:
+            # The table is empty here. Prompt logprobs and mean pooling need every prompt row: no match.
+            if not seq.needs_every_prompt_row:
                 seq.num_computed_tokens = self.kv.match(seq.table, seq.all_token_ids)
             head = self._first_uncached_block(seq)
             if head is not None and head in computing:

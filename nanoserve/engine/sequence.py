@@ -94,6 +94,13 @@ class Sequence:
         return self.params.prompt_logprobs is not None and self.index == 0 and not self.output_token_ids
 
     @property
+    def needs_every_prompt_row(self) -> bool:
+        """Whether every prompt row must be computed (no prefix-cache match): for its prompt
+        logprobs, or for a mean-pooled embedding."""
+        pooling = self.params.pooling
+        return self.needs_prompt_logprobs or (pooling is not None and pooling.method == "mean")
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 

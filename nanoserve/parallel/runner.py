@@ -24,6 +24,7 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.batch import PreparedBatch, prepare_batch
 from nanoserve.engine.model_protocol import KVShape
 from nanoserve.engine.model_runner import ModelRunner, RunnerFailure
+from nanoserve.engine.pooling import Pooled
 from nanoserve.engine.scheduler import StepPlan
 from nanoserve.model import LoadedModel
 from nanoserve.parallel.group import Rendezvous, TensorParallelGroup
@@ -84,7 +85,7 @@ class TensorParallelRunner(ModelRunner):
         send_setup(self.group, Setup(num_blocks, block_size))
         self._stop_workers = weakref.finalize(self, _stop_workers, self.group, workers)
 
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, PreparedBatch]:
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, PreparedBatch, Pooled]:
         if self.failure is None and (dead := self.workers.dead()) is not None:
             self._fail(_died(*dead))
         if self.failure is not None:
@@ -99,7 +100,7 @@ class TensorParallelRunner(ModelRunner):
             why = _died(*dead) if dead is not None else f"a tensor-parallel step failed: {e}"
             self._fail(why)
             raise RunnerFailure(why) from e
-        return logits, batch
+        return logits, batch, self.pooler.pool(hidden, batch.pooled) if batch.pooled else ()
 
     def close(self) -> None:
         """Stops the workers (idempotent): a stop message while the group works, then each one's exit."""

@@ -25,6 +25,7 @@ from nanoserve.engine.model_protocol import KVShape, Model
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.spec_decode import NgramProposer, Proposer
 from nanoserve.model import CausalLM, LoadedModel, load_model
+from nanoserve.model.checkpoint.pooling import PoolingConfig, read_pooling_config
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.layer_ops import CpuLayerOps, select_layer_ops
 from nanoserve.parallel.megatron import TensorParallelCausalLM
@@ -76,21 +77,27 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
         log.info("default sampling parameters from %s: %s",
                  "the model's generation_config.json" if args.generation_config == "auto" else args.generation_config,
                  ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    try:
+        pooling: PoolingConfig | None = read_pooling_config(loaded.path, cfg.hidden_size)
+    except ValueError as e:
+        log.warning("embeddings are off: %s", e)
+        pooling = None
     return engine_from_model(loaded.model, loaded.tokenizer, kv_shape, vocab_size, args,
                              loaded.tokenizer.stop_token_ids, proposer, num_blocks, defaults,
-                             None if launch is None else launch.workers)
+                             None if launch is None else launch.workers, pooling)
 
 
 def engine_from_model(model: Model, tokenizer: Tokenizer | None, kv_shape: KVShape, vocab_size: int,
                       args: EngineArgs, stop_token_ids: frozenset[int] = frozenset(),
                       proposer: Proposer | None = None, num_blocks: int | None = None,
                       sampling_defaults: dict[str, float | int] | None = None,
-                      workers: WorkerRanks | None = None) -> LLMEngine:
+                      workers: WorkerRanks | None = None, pooling: PoolingConfig | None = None) -> LLMEngine:
     """An engine around a model already loaded. `args` must be resolved (max_model_len set).
     `num_blocks=None` sizes the pool from the memory budget `args` gives (no GPU profile).
     `tokenizer=None` skips detokenization (token ids only). `sampling_defaults`: the values of
     SamplingParams fields a request leaves unset (see `generation_config`). `workers`: the worker
-    ranks of a tensor-parallel `model` (rank 0's shard), which then steps without CUDA graphs."""
+    ranks of a tensor-parallel `model` (rank 0's shard), which then steps without CUDA graphs.
+    `pooling`: how the model makes embeddings (None: it serves none)."""
     if num_blocks is None:
         num_blocks = args.resolve_num_blocks(kv_shape.bytes_per_block(args.block_size, model.dtype))
     device = torch.device(args.device)
@@ -103,7 +110,7 @@ def engine_from_model(model: Model, tokenizer: Tokenizer | None, kv_shape: KVSha
         runner = ModelRunner(model, kv_shape, num_blocks, args.block_size, vocab_size, stop_token_ids, device,
                              backend)
         use_cuda_graphs(runner, kv_shape.num_kv_heads, args)
-    return LLMEngine(runner, num_blocks, tokenizer, args, proposer, sampling_defaults)
+    return LLMEngine(runner, num_blocks, tokenizer, args, proposer, sampling_defaults, pooling)
 
 
 def use_cuda_graphs(runner: ModelRunner, num_kv_heads: int, args: EngineArgs) -> None:

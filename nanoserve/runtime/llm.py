@@ -1,4 +1,5 @@
-"""Offline API in the shape vLLM users know: `LLM(model).generate(prompts, sampling_params)`."""
+"""Offline API in the shape vLLM users know: `LLM(model).generate(prompts, sampling_params)`, and
+`LLM(model).embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, cast
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
-from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.sampling_params import PoolingParams, SamplingParams
 from nanoserve.model import LoadedModel
 from nanoserve.runtime.builder import build_engine
 
@@ -42,6 +43,23 @@ class LLM:
             requests.append((str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids, p,
                              priority[i] if priority else 0))
         return self._run(requests)
+
+    def embed(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+              dimensions: int | None = None) -> list[list[float]]:
+        """Every prompt's embedding, in prompt order: pooled as the model declares and L2-normalized
+        (see `nanoserve.engine.pooling`), cut to `dimensions` first where the model allows it.
+        Raises ValueError for a model that makes no embeddings or a size it does not allow."""
+        pooling = self.engine.limits.pooling
+        if pooling is None:
+            raise ValueError("this model makes no embeddings")
+        single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        batch = cast(list[str | Sequence[int]], [prompts] if single else list(prompts))
+        params = SamplingParams(pooling=PoolingParams(pooling.method, dimensions))
+        outputs = self._run([(str(next(self._ids)), p if isinstance(p, str) else None, self._encode(p), params, 0)
+                             for p in batch])
+        embeddings = [o.embedding for o in outputs]
+        assert all(e is not None for e in embeddings), "a pooling request ended without its embedding"
+        return cast(list[list[float]], embeddings)
 
     def chat(
         self,

@@ -36,6 +36,7 @@ from nanoserve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS
 from nanoserve.server.protocol.anthropic import CountTokensRequest, MessagesRequest
+from nanoserve.server.protocol.embeddings import EmbeddingRequest
 from nanoserve.server.protocol.errors import APIError, anthropic_route, install_error_handlers, invalid_request
 from nanoserve.server.protocol.openai import (
     ChatCompletionRequest,
@@ -47,6 +48,7 @@ from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.serving import PromptGate, Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
+from nanoserve.server.serving_embeddings import create_embedding
 from nanoserve.server.serving_messages import count_tokens, create_message
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
@@ -133,8 +135,9 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     _add_routes(app, serving, metrics)
     register_pages(app)
     _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-                           "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest})
+                           "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
+                           "/detokenize": DetokenizeRequest, "/v1/messages": MessagesRequest,
+                           "/v1/messages/count_tokens": CountTokensRequest})
     register_dashboard(app, async_engine)
     return app
 
@@ -229,6 +232,10 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
         return await count_tokens(serving, await _parse(request, CountTokensRequest))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(serving, await _parse(request, EmbeddingRequest), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

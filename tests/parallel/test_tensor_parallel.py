@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.args import EngineArgs
@@ -127,6 +128,20 @@ def test_tp2_greedy_equals_tp1(make_checkpoint: Callable[..., Path], family: str
     finally:
         llm.engine.close()
     assert not _live_workers()
+
+
+def test_tp2_embeddings_equal_tp1(make_checkpoint: Callable[..., Path]) -> None:
+    """Pooling rows come from rank 0's hidden states, which the group's forward completes."""
+    path = str(_checkpoint(make_checkpoint, "qwen3"))
+    reference = LLM(path, **ENGINE)
+    prompts = _prompts(reference.engine.vocab_size)
+    expected = torch.tensor(reference.embed(prompts))
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert torch.allclose(torch.tensor(llm.embed(prompts)), expected, atol=1e-4)
+        assert llm.engine.kv_stats().blocks_used == 0
+    finally:
+        llm.engine.close()
 
 
 def test_tp2_speculative_decoding_keeps_greedy_output(make_checkpoint: Callable[..., Path]) -> None:

@@ -53,6 +53,14 @@ def _destination(owner: nn.Module, tensor: TensorName) -> WeightDestination | No
     return dest[_rows(owner, tensor.rows)]
 
 
+def _hf_name(family: Family, name: str) -> str:
+    """The name as a `*ForCausalLM` checkpoint writes it: one saved from the bare decoder (a
+    `*Model`, as embedding models such as Qwen3-Embedding are) lacks the `model.` prefix."""
+    if family.tensor_by_hf(name) is None and family.tensor_by_hf("model." + name) is not None:
+        return "model." + name
+    return name
+
+
 def _target(model: CausalLM, family: Family, name: str) -> WeightDestination | None:
     """The destination view of a Hugging Face tensor name, or None if the model has no use for it."""
     ref = family.tensor_by_hf(name)
@@ -76,7 +84,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
     converts dense values to its format (casting to the model's dtype, or quantizing) and takes
     `QuantizedRows` of its own block format as they are; a dense destination dequantizes them."""
     seen: set[str] = set()
-    for name, tensor in tensors:
+    for given, tensor in tensors:
+        name = _hf_name(family, given)
         dest = _target(model, family, name)
         if dest is None:
             if not _IGNORED.search(name):
