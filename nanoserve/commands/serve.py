@@ -23,6 +23,7 @@ from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REAS
 from nanoserve.server.chat.tool_parsers.registry import PARSER_NAMES, TOOL_PARSERS
 from nanoserve.server.http_server import serve_until_signal
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
+from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE
 from nanoserve.supervisor.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
 from nanoserve.supervisor.router import ROUTER_POLICIES, require_router
 
@@ -54,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "default: none (no CORS headers)")
     p.add_argument("--sse-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
                    help="send a `: keep-alive` comment on a stream silent for this long (0: never)")
+    p.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
+                   help="how many `store: true` responses of /v1/responses to keep in memory, least recently used "
+                        "dropped first (0: store none); they do not survive a restart")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine in a process of its own (default: the HTTP side and the engine then do not "
                         "share one interpreter lock) or on a thread of the server process")
@@ -84,7 +88,7 @@ def run(ns: argparse.Namespace) -> int:
         engine = functools.partial(build_engine, args)
     config = ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser, ns.stream_interval,
                           reasoning_parser=ns.reasoning_parser, allowed_origins=tuple(ns.allowed_origins),
-                          sse_keep_alive_s=ns.sse_keep_alive or None)
+                          sse_keep_alive_s=ns.sse_keep_alive or None, responses_store_size=ns.responses_store_size)
     app = build_app(engine, config, on_load_failure=shut_down)
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port,
                                            timeout_graceful_shutdown=ns.shutdown_timeout,

@@ -42,10 +42,13 @@ from nanoserve.server.protocol.openai import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoserve.server.protocol.responses import ResponsesRequest
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
+from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from nanoserve.server.serving import Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
+from nanoserve.server.serving_responses import create_response, delete_response, get_response
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
 
@@ -58,7 +61,8 @@ class ServerConfig:
     """`served_model_name` defaults to the engine's model argument (DEMO_MODEL_NAME for the demo
     model); `api_key`, when set, guards /v1/*, /tokenize, /detokenize and /dashboard/stats. `allowed_origins`:
     the origins browsers may call from (CORS; empty: no CORS headers, "*": any).
-    `sse_keep_alive_s`: a silent stream's keep-alive comment interval (None: never)."""
+    `sse_keep_alive_s`: a silent stream's keep-alive comment interval (None: never).
+    `responses_store_size`: how many `store: true` responses /v1/responses keeps (0: none)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -68,6 +72,7 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # a name of REASONING_PARSERS: auto, a format, or none
     allowed_origins: tuple[str, ...] = ()
     sse_keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
 
     def __post_init__(self) -> None:
         if self.sse_keep_alive_s is not None and self.sse_keep_alive_s <= 0:
@@ -113,9 +118,11 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     _add_routes(app, serving, metrics)
+    _add_responses_routes(app, serving, ResponseStore(config.responses_store_size))
     register_pages(app)
     _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+                           "/v1/responses": ResponsesRequest})
     register_dashboard(app, async_engine)
     return app
 
@@ -224,6 +231,20 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
         if any(not 0 <= t < tok.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {tok.vocab_size})", param="tokens")
         return JSONResponse({"prompt": tok.decode(body.tokens)})
+
+
+def _add_responses_routes(app: FastAPI, serving: Serving, store: ResponseStore) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(serving, store, await _parse(request, ResponsesRequest), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return get_response(store, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str) -> JSONResponse:
+        return delete_response(store, response_id)
 
 
 _Body = TypeVar("_Body", bound=BaseModel)
