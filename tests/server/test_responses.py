@@ -12,6 +12,7 @@ parser (qwen3) and the tool-call parser (hermes) are read from the template.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -360,3 +361,58 @@ def test_documented_no_ops_are_accepted(client: openai.OpenAI) -> None:
                                 truncation="disabled", user="u", service_tier="auto", metadata={"a": "b"},
                                 prompt_cache_key="k", safety_identifier="s", reasoning={"summary": "auto"})
     assert r.output_text == ANSWER and r.metadata == {"a": "b"}
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return "sunny, 21 C"
+
+
+def test_langchain_openai(server: tuple[str, FastAPI]) -> None:
+    """LangChain's ChatOpenAI on the Responses API: text, a stream, and a bound tool's call."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=SERVED, base_url=f"{server[0]}/v1", api_key="unused",  # type: ignore[arg-type]
+                     use_responses_api=True, temperature=0.0, max_retries=0)
+    reply = llm.invoke(QUESTION)
+    assert reply.text == ANSWER and reply.response_metadata["id"].startswith("resp_")
+    assert "".join(chunk.text for chunk in llm.stream(QUESTION)) == ANSWER
+    called = llm.bind_tools([get_weather]).invoke(QUESTION)
+    assert [(c["name"], c["args"]) for c in called.tool_calls] == [("get_weather", CALL["arguments"])]
+    wait_idle(server[1])
+
+
+def test_pydantic_ai(server: tuple[str, FastAPI]) -> None:
+    """A pydantic-ai agent on OpenAIResponsesModel runs the tool the model calls, sends its
+    result back, and gets the answer."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIResponsesModel(SERVED, provider=OpenAIProvider(base_url=f"{server[0]}/v1", api_key="unused"))
+    plain = Agent(model, model_settings={"temperature": 0.0})
+    answered = plain.run_sync(QUESTION)
+    assert answered.output == ANSWER
+    assert (answered.all_messages()[-1].provider_response_id or "").startswith("resp_")  # type: ignore[union-attr]
+    with_tool = Agent(model, tools=[get_weather], model_settings={"temperature": 0.0})
+    result = with_tool.run_sync(QUESTION)
+    assert result.output == ANSWER
+    kinds = [part.part_kind for message in result.all_messages() for part in message.parts]
+    assert kinds.count("tool-call") == 1 and kinds.count("tool-return") == 1
+    wait_idle(server[1])
+
+
+def test_litellm(server: tuple[str, FastAPI], monkeypatch: pytest.MonkeyPatch) -> None:
+    """litellm.responses, with its model price map read from the package (no download); the
+    response it stored is there to retrieve, so it went through /v1/responses."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    r = litellm.responses(model=f"openai/{SERVED}", input=QUESTION, api_base=f"{server[0]}/v1", api_key="unused",
+                          temperature=0.0, store=True)
+    assert r.output[-1].content[0].text == ANSWER  # type: ignore[union-attr]
+    client = openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+    # litellm hands out its own id: base64 of "litellm:...;response_id:<the server's id>"
+    ours = base64.b64decode(r.id.removeprefix("resp_")).decode().rsplit("response_id:", 1)[1]
+    assert client.responses.retrieve(ours).output_text == ANSWER
+    wait_idle(server[1])
