@@ -288,6 +288,9 @@ class _Reply:
         return events
 
     def response(self, status: str, model: str) -> dict[str, Any]:
+        """The `response` object in `status`; output and usage only once it is done (completed or
+        incomplete). `reasoning_tokens` counts the tokens of the reasoning text, re-encoded (the
+        think tags are not in it); `cache_write_tokens`, a billing notion, is 0."""
         body = self.body
         usage = self.usage.body()
         done = status in ("completed", "incomplete")

@@ -25,6 +25,7 @@ import pytest
 import tokenizers
 from fastapi import FastAPI
 
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.tokenizer import Tokenizer
 
@@ -77,8 +78,13 @@ def model(make_checkpoint: Callable[..., Path], demo_dir: Path, tmp_path_factory
 
 
 @pytest.fixture(scope="module")
-def server(model: Path) -> Iterator[tuple[str, FastAPI]]:
-    with serve(make_engine(model, max_model_len=512, num_kv_blocks=128), responses_store_size=STORE_SIZE) as served:
+def model_engine(model: Path) -> LLMEngine:
+    return make_engine(model, max_model_len=512, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def server(model_engine: LLMEngine) -> Iterator[tuple[str, FastAPI]]:
+    with serve(model_engine, responses_store_size=STORE_SIZE) as served:
         yield served
 
 
@@ -354,6 +360,32 @@ def test_bad_bodies(server: tuple[str, FastAPI]) -> None:
     assert info.value.param == "truncation"  # type: ignore[attr-defined]
     assert client.responses.create(model=SERVED, input=QUESTION, temperature=0.0).output_text == ANSWER
     wait_idle(app)
+
+
+def test_an_engine_failure_mid_stream(server: tuple[str, FastAPI], model_engine: LLMEngine,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails after the first token ends the stream with an `error` event (the SDK
+    parses it) and a non-streamed request with a 500; the server serves on, no block held."""
+    step, armed = model_engine.step, [0]
+
+    def flaky_step() -> Any:
+        if armed[0] < 2 and any(r.num_output_tokens >= 1 for r in model_engine.scheduler.running):
+            armed[0] += 1
+            raise RuntimeError("injected step failure")
+        return step()
+
+    monkeypatch.setattr(model_engine, "step", flaky_step)
+    client = openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+    events = list(client.responses.create(model=SERVED, input=QUESTION, temperature=0.0, stream=True))
+    last = events[-1]
+    assert last.type == "error" and "injected step failure" in last.message and last.code == "engine_error"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert not any(e.type == "response.completed" for e in events)
+    with pytest.raises(openai.InternalServerError):
+        client.responses.create(model=SERVED, input=QUESTION, temperature=0.0)
+    assert armed[0] == 2
+    assert client.responses.create(model=SERVED, input=QUESTION, temperature=0.0).output_text == ANSWER
+    wait_idle(server[1])
 
 
 def test_documented_no_ops_are_accepted(client: openai.OpenAI) -> None:
