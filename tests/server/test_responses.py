@@ -210,9 +210,25 @@ def test_tool_round_trip(server: tuple[str, FastAPI], client: openai.OpenAI) -> 
     assert answer.usage is not None and answer.usage.input_tokens > with_tools  # the tools are rendered too
 
 
+def test_tool_choice(client: openai.OpenAI) -> None:
+    """"none" renders no tools (so this model thinks and answers); "required" and a named
+    function force the call through a grammar, which here agrees with the model."""
+    r = client.responses.create(model=SERVED, input=QUESTION, tools=[TOOL], tool_choice="none", temperature=0.0)  # type: ignore[list-item]
+    assert [item.type for item in r.output] == ["reasoning", "message"] and r.output_text == ANSWER
+    assert r.tool_choice == "none"
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        forced = client.responses.create(model=SERVED, input=QUESTION, tools=[TOOL], tool_choice=choice,  # type: ignore[arg-type,list-item]
+                                         parallel_tool_calls=False, temperature=0.0)
+        (call,) = forced.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        assert json.loads(call.arguments) == CALL["arguments"] and forced.parallel_tool_calls is False
+
+
 def test_previous_response_id(client: openai.OpenAI) -> None:
-    """A stored response continues with only the new items: the same prompt as the full input."""
-    first = client.responses.create(model=SERVED, input=QUESTION, tools=[TOOL], temperature=0.0, store=True)  # type: ignore[list-item]
+    """A stored response continues with only the new items: the same prompt as the full input
+    (the first request's instructions are not carried over, as OpenAI does)."""
+    first = client.responses.create(model=SERVED, input=QUESTION, tools=[TOOL], temperature=0.0, store=True,  # type: ignore[list-item]
+                                    instructions="Answer briefly.")
     (call,) = first.output
     assert call.type == "function_call"
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
