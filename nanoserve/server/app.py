@@ -77,6 +77,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.sse_keep_alive_s is not None and self.sse_keep_alive_s <= 0:
             raise ValueError("the SSE keep-alive interval must be positive (None: no keep-alive)")
+        if self.responses_store_size < 0:
+            raise ValueError("the responses store size must be >= 0 (0: store none)")
         TOOL_PARSERS.check(self.tool_call_parser)
         REASONING_PARSERS.check(self.reasoning_parser)
 

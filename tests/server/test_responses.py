@@ -26,6 +26,7 @@ import tokenizers
 from fastapi import FastAPI
 
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.server import ServerConfig
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.tokenizer import Tokenizer
 
@@ -464,3 +465,17 @@ def test_litellm(server: tuple[str, FastAPI], monkeypatch: pytest.MonkeyPatch) -
     ours = base64.b64decode(r.id.removeprefix("resp_")).decode().rsplit("response_id:", 1)[1]
     assert client.responses.retrieve(ours).output_text == ANSWER
     wait_idle(server[1])
+
+
+def test_store_size_zero_stores_nothing(engine: LLMEngine) -> None:
+    """`--responses-store-size 0`: `store: true` is a 400 naming it; stateless requests run (on
+    the demo model here); a negative size is refused at startup."""
+    with serve(engine, responses_store_size=0) as (url, app):
+        r = httpx.post(f"{url}/v1/responses", json={"input": "Hi", "store": True, "max_output_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+        r = httpx.post(f"{url}/v1/responses", json={"input": "Hi", "store": False, "max_output_tokens": 2,
+                                                      "temperature": 0.0})
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2
+        wait_idle(app)
+    with pytest.raises(ValueError, match="store size"):
+        ServerConfig(responses_store_size=-1)
