@@ -16,7 +16,7 @@ import base64
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
@@ -154,6 +154,29 @@ def test_stream_events(client: openai.OpenAI) -> None:
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert all(e.item_id == final.output[1].id and e.output_index == 1 and e.content_index == 0 for e in deltas)
     assert final.usage == whole.usage
+
+
+def test_the_sdks_stream_accumulator(client: openai.OpenAI) -> None:
+    """`client.responses.stream` rebuilds the response from the events, checking that each one
+    refers to an item and content part already added; its result equals the non-streamed one,
+    tool calls included."""
+    for tools in ([], [TOOL]):
+        whole = client.responses.create(model=SERVED, input=QUESTION, tools=tools, temperature=0.0)  # type: ignore[arg-type]
+        with client.responses.stream(model=SERVED, input=QUESTION, tools=tools, temperature=0.0) as stream:  # type: ignore[arg-type]
+            final = stream.get_final_response()
+        assert without_ids(final.output) == without_ids(whole.output) and final.output_text == whole.output_text
+
+
+def test_parse_into_a_pydantic_model(client: openai.OpenAI) -> None:
+    """`client.responses.parse(text_format=Model)` sends the model's strict JSON schema as
+    text.format and parses the reply into it."""
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        weather: Literal["sunny", "rainy"]
+
+    r = client.responses.parse(model=SERVED, input=QUESTION, text_format=Weather, temperature=0.0)
+    assert isinstance(r.output_parsed, Weather)
 
 
 def test_instructions_and_reasoning_effort(server: tuple[str, FastAPI], client: openai.OpenAI) -> None:
