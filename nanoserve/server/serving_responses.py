@@ -40,6 +40,7 @@ from pydantic import TypeAdapter, ValidationError
 from nanoserve.engine.outputs import SequenceDelta
 from nanoserve.runtime.async_engine import EngineError
 from nanoserve.server.chat.output import ChoiceDelta, ChoiceParser, call_id
+from nanoserve.server.chat.tool_parsers.calls import ToolCallDelta
 from nanoserve.server.protocol import sse
 from nanoserve.server.protocol.errors import APIError, invalid_request
 from nanoserve.server.protocol.openai import (
@@ -177,29 +178,40 @@ class OutputItems:
     describe the building. Invariants: at most one item is open (the last); text goes to the
     open item of its kind or opens a new one, closing the open one; every item that was added is
     done once `finish` has run; a complete reply has a message or a function call (an empty
-    message if the model wrote neither)."""
+    message if the model wrote neither). Within one delta the parsers give content and calls
+    apart, so the arguments that continue the call open at its start go first, then the content,
+    then the calls it starts (text between two calls started in one delta comes before both)."""
 
     items: list[dict[str, Any]] = field(default_factory=list)
     open: bool = False
+    calls: dict[int, int] = field(default_factory=dict)  # a call's index in the reply -> its item's
 
     def push(self, delta: ChoiceDelta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if delta.reasoning:
             events += self._text("reasoning", delta.reasoning)
+        started = next((k for k, c in enumerate(delta.calls) if c.name is not None), len(delta.calls))
+        for c in delta.calls[:started]:
+            events += self._arguments(c)
         if delta.content:
             events += self._text("message", delta.content)
-        for c in delta.calls:
+        for c in delta.calls[started:]:
             if c.name is not None:
                 events += self._close("completed")
-                item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
-                        "call_id": call_id(), "name": c.name, "arguments": ""}
-                events += self._add(item)
-            if c.arguments:
-                item = self.items[-1]
-                item["arguments"] += c.arguments
-                events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                               "output_index": len(self.items) - 1, "delta": c.arguments})
+                events += self._add({"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
+                                     "call_id": call_id(), "name": c.name, "arguments": ""})
+                self.calls[c.index] = len(self.items) - 1
+            events += self._arguments(c)
         return events
+
+    def _arguments(self, c: ToolCallDelta) -> list[dict[str, Any]]:
+        if not c.arguments:
+            return []
+        index = self.calls[c.index]
+        item = self.items[index]
+        item["arguments"] += c.arguments
+        return [{"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": index,
+                 "delta": c.arguments}]
 
     def finish(self, complete: bool) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []

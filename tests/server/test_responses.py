@@ -24,6 +24,8 @@ import openai
 import pytest
 import tokenizers
 from fastapi import FastAPI
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server import ServerConfig
@@ -502,3 +504,53 @@ def test_store_size_zero_stores_nothing(engine: LLMEngine) -> None:
         wait_idle(app)
     with pytest.raises(ValueError, match="store size"):
         ServerConfig(responses_store_size=-1)
+
+
+def check_events(events: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    """Every event refers to an item added and not yet done; each item is added once, done once,
+    and its done form is the final item."""
+    state: dict[int, str] = {}
+    for e in events:
+        index = e["output_index"]
+        if e["type"] == "response.output_item.added":
+            assert index == len(state) and index not in state
+            state[index] = "open"
+        else:
+            assert state.get(index) == "open", e
+            if e["type"] == "response.output_item.done":
+                state[index] = "done"
+                assert e["item"] == items[index]
+    assert list(state.values()) == ["done"] * len(items)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=40))
+def test_output_items_for_any_split(cuts: list[int]) -> None:
+    """A reply that thinks, writes text, calls two functions with text between, then writes more,
+    fed to the real parsers (qwen3 think, hermes) in pieces of any sizes: the events always form
+    consistent items, and the items carry exactly the reasoning, text and calls of the whole."""
+    from nanoserve.server.chat.output import ChatOutputFormat
+    from nanoserve.server.chat.tool_parsers.registry import parser_factory
+    from nanoserve.server.serving_responses import OutputItems
+
+    first, second = json.dumps(CALL), json.dumps({"name": "get_time", "arguments": {"zone": "UTC"}})
+    text = f"{REASONING}</think>\n\nLet me look.<tool_call>{first}</tool_call> and <tool_call>{second}</tool_call>Done."
+    pieces, at = [], 0
+    for cut in cuts:
+        pieces.append(text[at:at + cut])
+        at += cut
+    pieces.append(text[at:])
+    fmt = ChatOutputFormat(parser_factory("hermes", None), reasoning=True, in_reasoning=True)
+    parser = fmt.parser()
+    out = OutputItems()
+    events = [e for piece in pieces for e in out.push(parser.push(piece))]
+    events += out.push(parser.finish()) + out.finish(True)
+    check_events(events, out.items)
+    assert out.text("reasoning") == REASONING
+    whole = fmt.message(text)  # the chat message of the same text, parsed in one piece
+    assert out.text("message") == whole["content"] and "Let me look." in whole["content"]
+    calls = [(i["name"], i["arguments"]) for i in out.items if i["type"] == "function_call"]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    assert [json.loads(a) for _, a in calls] == [{"city": "Paris"}, {"zone": "UTC"}]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == out.text("message")
