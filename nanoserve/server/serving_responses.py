@@ -54,6 +54,7 @@ from nanoserve.server.protocol.openai import (
     ToolDefinition,
 )
 from nanoserve.server.protocol.responses import (
+    ENCRYPTED_REASONING,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
@@ -182,6 +183,7 @@ class OutputItems:
     apart, so the arguments that continue the call open at its start go first, then the content,
     then the calls it starts (text between two calls started in one delta comes before both)."""
 
+    encrypted_reasoning: bool = False  # reasoning items carry their text in `encrypted_content` too
     items: list[dict[str, Any]] = field(default_factory=list)
     open: bool = False
     calls: dict[int, int] = field(default_factory=dict)  # a call's index in the reply -> its item's
@@ -265,6 +267,8 @@ class OutputItems:
                        "name": item["name"], "arguments": item["arguments"]}]
         else:
             part = item["content"][0]
+            if item["type"] == "reasoning" and self.encrypted_reasoning:
+                item["encrypted_content"] = part["text"]
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             done: dict[str, Any] = {"type": "response.reasoning_text.done", **where, "text": part["text"]}
             if item["type"] == "message":
@@ -289,6 +293,7 @@ class _Reply:
 
     def __post_init__(self) -> None:
         self._parser = self.run.output.parser()
+        self.output.encrypted_reasoning = ENCRYPTED_REASONING in (self.body.include or [])
 
     def add(self, d: SequenceDelta) -> list[dict[str, Any]]:
         self.usage.add(d)

@@ -2,12 +2,12 @@
 
 The checkpoint (`successor_model`) is a tiny Qwen3 whose next token depends on the current one
 only. Its chat template is Qwen3-shaped (tools in the system turn, calls in <tool_call> tags,
-results in <tool_response> tags, `enable_thinking: false` writing an empty think block), and it
-marks the end of the generation prompt so that such a model can tell three situations apart:
-a plain prompt ends in "assistant\\n" (the model thinks, `<think>`, one reasoning token,
-`</think>`, then answers), a prompt with tools ends in `<use_tools>` (the model calls get_weather), and
-a prompt whose last message is a tool result ends in `<result>` (the model answers). The reasoning
-parser (qwen3) and the tool-call parser (hermes) are read from the template.
+results in <tool_response> tags, past reasoning in think tags, `enable_thinking: false` writing an
+empty think block), and it marks the end of the generation prompt so that such a model can tell
+three situations apart: a plain prompt ends in "assistant\\n" (the model thinks: `<think>`, one
+reasoning token, `</think>`, then the answer), a prompt with tools ends in `<use_tools>` (the model
+calls get_weather), and a prompt whose last message is a tool result ends in `<result>` (the model
+answers). The reasoning parser (qwen3) and the tool-call parser (hermes) are read from the template.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ TEMPLATE = (
     "{%- endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'tool' %}{{- '<|im_start|>user\n<tool_response>' + m.content + '</tool_response><|im_end|>\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + (m.content or '') }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' }}"
+    "{%- if m.reasoning_content %}{{- '<think>' + m.reasoning_content + '</think>' }}{%- endif %}"
+    "{{- m.content or '' }}"
     "{%- for c in m.tool_calls or [] %}{{- '<tool_call>' }}"
     "{{- {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}{{- '</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\n' }}{%- endif %}"
@@ -267,9 +269,29 @@ def test_previous_response_id(client: openai.OpenAI) -> None:
     assert chained.usage.input_tokens == full.usage.input_tokens
 
 
+def test_encrypted_reasoning_round_trip(client: openai.OpenAI) -> None:
+    """include ["reasoning.encrypted_content"] (what stateless clients send): the reasoning item
+    carries its text there too, and an item sent back with only that field (content and summary
+    left out) renders as the one with its content."""
+    r = client.responses.create(model=SERVED, input=QUESTION, temperature=0.0, include=["reasoning.encrypted_content"])
+    reasoning = r.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content == REASONING
+    opaque = {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content}
+    plain = {"type": "reasoning", "id": reasoning.id, "summary": [], "content": [
+        {"type": "reasoning_text", "text": REASONING}]}
+    tokens = []
+    for item in (opaque, plain, None):
+        conversation: list[Any] = [{"role": "user", "content": QUESTION}, *([item] if item else []),
+                                   {"role": "assistant", "content": ANSWER}, {"role": "user", "content": QUESTION}]
+        again = client.responses.create(model=SERVED, input=conversation, temperature=0.0)
+        assert again.usage is not None and again.output_text == ANSWER
+        tokens.append(again.usage.input_tokens)
+    assert tokens[0] == tokens[1] > tokens[2]
+
+
 def test_reasoning_item_sent_back(client: openai.OpenAI) -> None:
-    """A reasoning output sent back as input is accepted, and a previous response's reasoning
-    continues the same way (this template leaves past reasoning out, so the prompts are equal)."""
+    """A reasoning output sent back as input renders as the assistant turn's reasoning, as a
+    previous response's reasoning does: the two prompts are equal."""
     first = client.responses.create(model=SERVED, input=QUESTION, temperature=0.0, store=True)
     again = [{"role": "user", "content": QUESTION}, *(item.model_dump(exclude_none=True) for item in first.output),
              {"role": "user", "content": QUESTION}]
@@ -370,7 +392,9 @@ BAD_BODIES: list[tuple[dict[str, Any], int, str | None]] = [
     ({"input": "hi", "temperature": -1.0}, 400, "temperature"),
     ({"input": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
-    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": 5}]}, 400,
+     "input.0.reasoning.encrypted_content"),
     ({"input": "hi", "reasoning": {"summary": "detailed"}}, 400, "reasoning.summary"),
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
     ({"input": "hi", "background": True}, 400, "background"),

@@ -17,6 +17,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 _CONFIG = ConfigDict(strict=True, extra="allow")
+# The one `include` value honoured: reasoning items carry their text in `encrypted_content` too, for
+# clients that keep no state (`store: false`) and send reasoning back that way. It is not encrypted:
+# nanoserve holds no key, and the text is in the item's `content` already.
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
 # Items keep unknown fields in `model_extra`, where `chat_messages` refuses those that are not null.
 _ITEM = ConfigDict(strict=True, extra="allow")
 
@@ -84,11 +88,11 @@ class ReasoningItem(BaseModel):
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
-    encrypted_content: None = None  # nanoserve never writes any, so none can come back
+    encrypted_content: str | None = None  # what nanoserve writes there: the reasoning text itself
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return "".join(p.text for p in self.content or self.summary)
+        return "".join(p.text for p in self.content or self.summary) or self.encrypted_content or ""
 
 
 def _item_type(value: Any) -> str:
@@ -181,8 +185,8 @@ class ResponsesRequest(BaseModel):
         """(field, why) for the first field set to a value nanoserve cannot honour, else None."""
         if self.truncation == "auto":
             return "truncation", "truncation 'auto' is not supported: an input too long for the context is a 400"
-        if self.include:
-            return "include", f"include values are not supported: {', '.join(self.include)}"
+        if unknown := [v for v in self.include or [] if v != ENCRYPTED_REASONING]:
+            return "include", f"include values other than {ENCRYPTED_REASONING} are not supported: {', '.join(unknown)}"
         if self.background:
             return "background", "background responses are not supported"
         if self.max_tool_calls is not None:
