@@ -2,7 +2,8 @@
 
 Owned by the app (`build_app` makes one per app, sized by `--responses-store-size`); nothing
 survives a restart. Invariants: it never holds more than `capacity` responses (storing one more
-evicts the least recently stored or read); a capacity of 0 stores nothing.
+evicts the least recently stored or read); a capacity of 0 stores nothing. Only the event loop
+touches it (the handlers and their streams), so it takes no lock.
 """
 
 from __future__ import annotations
