@@ -32,7 +32,7 @@ from nanoserve.server import ServerConfig
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.tokenizer import Tokenizer
 
-from support.server import SERVED, make_engine, serve, wait_idle
+from support.server import SERVED, make_engine, metric_value, pace, serve, wait_idle
 from support.successor_model import set_successors, successor_checkpoint
 from support.tool_calls import CALL, CALL_PIECES
 
@@ -578,3 +578,23 @@ def test_output_items_for_any_split(cuts: list[int]) -> None:
     assert [json.loads(a) for _, a in calls] == [{"city": "Paris"}, {"zone": "UTC"}]
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert deltas == out.text("message")
+
+
+def test_a_stream_disconnect_aborts(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that leaves mid-stream aborts its request (the demo model, paced so that its
+    reply outlives the client) and frees every block."""
+    pace(engine, monkeypatch)
+    body = {"input": "Tell me a long story about a dragon.", "max_output_tokens": 100, "temperature": 0.0,
+            "stream": True}
+    with serve(engine) as (url, app):
+        whole = httpx.post(f"{url}/v1/responses", json={**body, "stream": False}, timeout=60).json()
+        assert whole["usage"]["output_tokens"] > 10  # long enough to leave it after a few tokens
+        generated = engine.num_generated_tokens
+        with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and engine.num_generated_tokens - generated >= 3:
+                    break  # leaving the block closes the connection mid-stream
+        wait_idle(app, timeout=10)
+        assert engine.num_generated_tokens - generated < whole["usage"]["output_tokens"]
+        aborted = 'nanoserve:request_finished_total{finished_reason="abort"}'
+        assert metric_value(httpx.get(f"{url}/metrics").text, aborted) == 1
