@@ -48,7 +48,7 @@ from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, Respon
 from nanoserve.server.serving import Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
-from nanoserve.server.serving_responses import create_response, delete_response, get_response
+from nanoserve.server.serving_responses import create_response, delete_response, get_response, list_input_items
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
 
@@ -243,6 +243,10 @@ def _add_responses_routes(app: FastAPI, serving: Serving, store: ResponseStore) 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> JSONResponse:
         return get_response(store, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> JSONResponse:
+        return list_input_items(store, response_id, dict(request.query_params))
 
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str) -> JSONResponse:

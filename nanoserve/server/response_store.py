@@ -17,12 +17,14 @@ DEFAULT_RESPONSES_STORE_SIZE = 256
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """A finished response as GET returns it, and its conversation in chat form (the input
-    messages, without instructions, then the output as one assistant message), which a request
-    naming it as `previous_response_id` continues."""
+    """A finished response as GET returns it, its input items as /input_items lists them (oldest
+    first), and its conversation in chat form (the input messages, without instructions, then the
+    output as one assistant message), which a request naming it as `previous_response_id`
+    continues."""
 
     body: dict[str, Any]
     history: list[dict[str, Any]]
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

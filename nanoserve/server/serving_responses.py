@@ -18,8 +18,9 @@ content_part.done) or (function_call_arguments.delta..., .done), output_item.don
 response.completed, or response.incomplete when max_output_tokens cut it; no [DONE]. An engine
 failure mid-stream is an `error` event and ends the stream.
 
-Responses are stateless unless `store: true`; stored ones (and the conversations that
-`previous_response_id` continues) live in the app's `ResponseStore`, in memory only.
+Responses are stateless unless `store: true`; stored ones (their bodies, input items and the
+conversations that `previous_response_id` continues) live in the app's `ResponseStore`, in memory
+only.
 """
 
 from __future__ import annotations
@@ -387,7 +388,7 @@ async def create_response(serving: Serving, store: ResponseStore, body: Response
 
 def _keep(store: ResponseStore, reply: _Reply, response: dict[str, Any]) -> None:
     if reply.body.store:
-        store.put(reply.id, StoredResponse(response, reply.conversation()))
+        store.put(reply.id, StoredResponse(response, reply.conversation(), listed_items(reply.body)))
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -416,6 +417,51 @@ async def _events(serving: Serving, store: ResponseStore, reply: _Reply) -> Asyn
     except Exception as e:
         error = stream_error(e)["error"]
         yield event({"type": "error", "message": error["message"], "code": error["code"], "param": error["param"]})
+
+
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as OpenAI lists them: typed, text content as parts, and each
+    with an id (one made up where the client sent none)."""
+    listed = []
+    for item in _input_items(body):
+        d = item.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if isinstance(item, MessageItem):
+            part = "output_text" if item.role == "assistant" else "input_text"
+            extra: dict[str, Any] = {"annotations": []} if item.role == "assistant" else {}
+            content = [{"type": part, "text": item.content, **extra}] if isinstance(item.content, str) else d["content"]
+            d = {**d, "type": "message", "content": content, "status": item.status or "completed"}
+        d.setdefault("id", _new_id(_ITEM_ID_PREFIXES[d["type"]]))
+        listed.append(d)
+    return listed
+
+
+def list_input_items(store: ResponseStore, response_id: str, query: dict[str, str]) -> JSONResponse:
+    """`GET /v1/responses/{id}/input_items`: a page of `limit` items (1-100, default 20) in `order`
+    ("desc", the default, or "asc"), after the item `after`."""
+    entry = store.get(response_id)
+    if entry is None:
+        raise APIError(404, f"no stored response with id '{response_id}'", param="response_id", code="not_found")
+    if unknown := sorted(set(query) - {"limit", "order", "after"}):
+        raise APIError(400, f"unsupported query parameter: {unknown[0]}", param=unknown[0], code="unsupported_field")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order must be 'asc' or 'desc'", param="order")
+    items = entry.input_items if order == "asc" else entry.input_items[::-1]
+    start = 0
+    if (after := query.get("after")) is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"no input item '{after}' in this response", param="after")
+        start = ids.index(after) + 1
+    page = items[start:start + int(limit)]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(items)})
 
 
 def get_response(store: ResponseStore, response_id: str) -> JSONResponse:

@@ -344,6 +344,31 @@ def test_store_get_delete(client: openai.OpenAI) -> None:
     assert client.responses.retrieve(final.id).output_text == ANSWER
 
 
+def test_input_items(server: tuple[str, FastAPI], client: openai.OpenAI) -> None:
+    """A stored response's input items, listed newest first by default, oldest first with
+    order "asc", a page at a time (the SDK follows `after` over pages of one)."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    sent: list[Any] = [{"role": "user", "content": QUESTION}, call,
+                       {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}]
+    r = client.responses.create(model=SERVED, input=sent, tools=[TOOL], temperature=0.0, store=True)  # type: ignore[list-item]
+    newest_first = client.responses.input_items.list(r.id)
+    assert [item.type for item in newest_first.data] == ["function_call_output", "function_call", "message"]
+    assert newest_first.has_more is False
+    paged = list(client.responses.input_items.list(r.id, limit=1, order="asc"))
+    assert [item.id for item in paged] == [item.id for item in reversed(newest_first.data)]
+    message, listed_call, output = paged
+    assert message.type == "message" and message.role == "user"
+    assert [(p.type, p.text) for p in message.content] == [("input_text", QUESTION)]  # type: ignore[union-attr]
+    assert listed_call.type == "function_call" and listed_call.arguments == call["arguments"]
+    assert output.type == "function_call_output" and output.output == "sunny, 21 C"
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "nope"}, "after"),
+                         ({"include": "x"}, "include")):
+        bad = httpx.get(f"{server[0]}/v1/responses/{r.id}/input_items", params=query)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_store_is_a_bounded_lru(client: openai.OpenAI) -> None:
     ids = [client.responses.create(model=SERVED, input=QUESTION, temperature=0.0, store=True,
                                    max_output_tokens=1).id for _ in range(STORE_SIZE)]
