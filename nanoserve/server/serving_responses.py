@@ -350,6 +350,8 @@ class _Reply:
 
 
 async def create_response(serving: Serving, store: ResponseStore, body: ResponsesRequest, request: Request) -> Response:
+    """Checks the request (every 4xx before anything runs), runs it through `start_chat` and
+    answers with the response object or its event stream; stores it if asked."""
     serving.check_request(body, body.model)
     if (unsupported := body.unsupported()) is not None:
         raise APIError(400, unsupported[1], param=unsupported[0], code="unsupported_field")
@@ -373,6 +375,7 @@ async def create_response(serving: Serving, store: ResponseStore, body: Response
     if body.stream:
         return sse.SSEResponse(_events(serving, store, reply), on_close=run.stream.close,
                                keep_alive_s=serving.keep_alive_s)
+
     def on_delta(d: SequenceDelta) -> None:
         reply.add(d)
 
