@@ -26,6 +26,7 @@ from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REAS
 from nanoserve.server.chat.tool_parsers.registry import PARSER_NAMES, TOOL_PARSERS
 from nanoserve.server.http_server import serve_until_signal
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
+from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE
 from nanoserve.supervisor.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
 from nanoserve.supervisor.router import ROUTER_POLICIES, require_router
 from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S
@@ -73,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
                    help="restart a dead engine-core process up to N times within 10 minutes (delays 1, 2, 4, ... s); "
                         f"past that the server exits with status 1 (default: {DEFAULT_MAX_RESTARTS})")
+    p.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
+                   help="how many `store: true` responses of /v1/responses to keep in memory, least recently used "
+                        "dropped first (0: store none); they do not survive a restart")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="run the engine in a process of its own (default: the HTTP side and the engine then do not "
                         "share one interpreter lock) or on a thread of the server process")
@@ -105,7 +109,8 @@ def run(ns: argparse.Namespace) -> int:
                           reasoning_parser=ns.reasoning_parser, allowed_origins=tuple(ns.allowed_origins),
                           sse_keep_alive_s=ns.sse_keep_alive or None, prompt_workers=ns.prompt_workers,
                           prompt_timeout_s=ns.prompt_timeout, ignore_unknown_fields=ns.ignore_unknown_fields,
-                          engine_restarts=ns.engine_restarts, max_body_bytes=int(ns.max_request_body_mb * 2**20))
+                          engine_restarts=ns.engine_restarts, max_body_bytes=int(ns.max_request_body_mb * 2**20),
+                          responses_store_size=ns.responses_store_size)
     app = build_app(engine, config, on_fatal=shut_down)
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port,
                                            timeout_graceful_shutdown=ns.shutdown_timeout,

@@ -44,12 +44,15 @@ from nanoserve.server.protocol.openai import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoserve.server.protocol.responses import ResponsesRequest
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
+from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from nanoserve.server.serving import PromptGate, Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
 from nanoserve.server.serving_completion import create_completion
 from nanoserve.server.serving_embeddings import create_embedding
 from nanoserve.server.serving_messages import count_tokens, create_message
+from nanoserve.server.serving_responses import create_response, delete_response, get_response, list_input_items
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
 from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S, PromptLimits
@@ -66,7 +69,8 @@ class ServerConfig:
     the origins browsers may call from (CORS; empty: no CORS headers, "*": any).
     `sse_keep_alive_s`: a silent stream's keep-alive comment interval (None: never).
     `prompt_workers`, `prompt_timeout_s`: the processes that render chat templates and tokenize, and
-    how long one request's text may take there (see `serving.PromptGate`)."""
+    how long one request's text may take there (see `serving.PromptGate`).
+    `responses_store_size`: how many `store: true` responses /v1/responses keeps (0: none)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
@@ -81,12 +85,15 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is a 413, never parsed
     engine_restarts: int = DEFAULT_MAX_RESTARTS  # restarts of a dead engine-core process within 10 minutes
     ignore_unknown_fields: bool = False  # log and drop request fields no API defines (else a 400)
+    responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE
 
     def __post_init__(self) -> None:
         if self.prompt_workers < 1 or self.prompt_timeout_s <= 0:
             raise ValueError("prompt workers must be at least one and their timeout positive")
         if self.sse_keep_alive_s is not None and self.sse_keep_alive_s <= 0:
             raise ValueError("the SSE keep-alive interval must be positive (None: no keep-alive)")
+        if self.responses_store_size < 0:
+            raise ValueError("the responses store size must be >= 0 (0: store none)")
         TOOL_PARSERS.check(self.tool_call_parser)
         REASONING_PARSERS.check(self.reasoning_parser)
 
@@ -133,11 +140,12 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     _add_routes(app, serving, metrics)
+    _add_responses_routes(app, serving, ResponseStore(config.responses_store_size))
     register_pages(app)
     _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                            "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
                            "/detokenize": DetokenizeRequest, "/v1/messages": MessagesRequest,
-                           "/v1/messages/count_tokens": CountTokensRequest})
+                           "/v1/messages/count_tokens": CountTokensRequest, "/v1/responses": ResponsesRequest})
     register_dashboard(app, async_engine)
     return app
 
@@ -260,6 +268,24 @@ def _add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
         if any(not 0 <= t < tok.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {tok.vocab_size})", param="tokens")
         return JSONResponse({"prompt": tok.decode(body.tokens)})
+
+
+def _add_responses_routes(app: FastAPI, serving: Serving, store: ResponseStore) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(serving, store, await _parse(request, ResponsesRequest), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return get_response(store, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> JSONResponse:
+        return list_input_items(store, response_id, dict(request.query_params))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str) -> JSONResponse:
+        return delete_response(store, response_id)
 
 
 _Body = TypeVar("_Body", bound=BaseModel)

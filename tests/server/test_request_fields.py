@@ -253,7 +253,7 @@ def test_openapi_documents_every_request_body(url: str) -> None:
     for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
                         ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest"),
                         ("/v1/messages", "MessagesRequest"), ("/v1/messages/count_tokens", "CountTokensRequest"),
-                        ("/v1/embeddings", "EmbeddingRequest")):
+                        ("/v1/embeddings", "EmbeddingRequest"), ("/v1/responses", "ResponsesRequest")):
         post = spec["paths"][path]["post"]
         body = post["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
@@ -286,13 +286,14 @@ def test_schemathesis_finds_no_server_error(url: str) -> None:
         def check(case: Any) -> None:
             if isinstance(case.body, dict):
                 case.body["model"] = SERVED  # reach the handlers (a wrong name is a plain 404)
-                if isinstance(case.body.get("max_tokens"), int):
-                    case.body["max_tokens"] = min(case.body["max_tokens"], 4)
+                for cap in ("max_tokens", "max_output_tokens"):
+                    if isinstance(case.body.get(cap), int):
+                        case.body[cap] = min(case.body[cap], 4)
             case.call_and_validate(base_url=url, checks=[not_a_server_error], timeout=60)
 
         check()
         tried += 1
-    assert tried == 7
+    assert tried == 8
 
 
 # ---- every field of the current request bodies ----
