@@ -83,6 +83,7 @@ class PromptGate:
     limits: PromptLimits = field(default_factory=PromptLimits)
     _templates: PromptPool | None = None
     _text: PromptPool | None = None
+    _starting: asyncio.Lock = field(default_factory=asyncio.Lock)  # one start of each pool, however many ask
 
     async def encode_chat(self, tok: Tokenizer, limits: EngineLimits, messages: list[dict[str, Any]],
                           **kwargs: Any) -> list[int]:
@@ -90,8 +91,10 @@ class PromptGate:
         bounds (output size, time, memory), or a conversation too long to fit."""
         bound = max_prompt_chars(tok, limits)
         _check_chars(_text_chars(messages), bound, "messages")
-        if self._templates is None:
-            self._templates = await asyncio.to_thread(PromptPool, tok, self.workers, self.limits, "nanoserve-template")
+        async with self._starting:
+            if self._templates is None:
+                self._templates = await asyncio.to_thread(PromptPool, tok, self.workers, self.limits,
+                                                          "nanoserve-template")
         try:
             ids: list[int] = await self._templates.call("encode_chat", messages, output_limit=bound, **kwargs)
         except ValueError as e:
@@ -103,9 +106,10 @@ class PromptGate:
         """`text`'s ids; a 400 naming `param` for a text too long to fit, or one that passes the
         pool's bounds."""
         _check_chars(len(text), max_prompt_chars(tok, limits), param)
-        if self._text is None:
-            self._text = await asyncio.to_thread(PromptPool, tok, max(1, self.workers // 2), self.limits,
-                                                 "nanoserve-tokenize")
+        async with self._starting:
+            if self._text is None:
+                self._text = await asyncio.to_thread(PromptPool, tok, max(1, self.workers // 2), self.limits,
+                                                     "nanoserve-tokenize")
         try:
             ids: list[int] = await self._text.call("encode", text, add_special_tokens)
         except ValueError as e:
