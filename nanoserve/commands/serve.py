@@ -24,7 +24,7 @@ from nanoserve.server.app import DEFAULT_PROMPT_WORKERS
 from nanoserve.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import PARSER_NAMES, TOOL_PARSERS
-from nanoserve.server.http_server import serve_until_signal
+from nanoserve.server.http_server import DrainingServer, serve_until_signal
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE
 from nanoserve.supervisor.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
@@ -112,7 +112,7 @@ def run(ns: argparse.Namespace) -> int:
                           engine_restarts=ns.engine_restarts, max_body_bytes=int(ns.max_request_body_mb * 2**20),
                           responses_store_size=ns.responses_store_size)
     app = build_app(engine, config, on_fatal=shut_down)
-    server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port,
+    server = DrainingServer(uvicorn.Config(app, host=ns.host, port=ns.port,
                                            timeout_graceful_shutdown=ns.shutdown_timeout,
                                            log_level=logging.getLevelName(logging.getLogger().level).lower()))
     log.info("serving %s on http://%s:%d (loading the model; /health answers 503 until it is ready)",

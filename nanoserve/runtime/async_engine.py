@@ -121,6 +121,7 @@ class AsyncEngine:
         self._restarts: collections.deque[float] = collections.deque()  # times of restarts in the window
         self._restart_pending = False
         self._stopping = False
+        self._stopped: asyncio.Future[None] | None = None  # the one stop's join
         self._loader = loader
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -144,11 +145,15 @@ class AsyncEngine:
             self._threads[0].start()
 
     async def stop(self) -> None:
-        """Stops the core: every request still in it is aborted and its stream failed."""
+        """Stops the core: every request still in it is aborted and its stream failed. Idempotent:
+        a second call (the server's lifespan after its graceful shutdown did) waits for the first."""
         self._stopping = True
-        if self._loop is not None:
+        if self._loop is None:
+            return
+        if self._stopped is None:
             self._commands.put(None)
-            await asyncio.to_thread(self._join)
+            self._stopped = asyncio.ensure_future(asyncio.to_thread(self._join))
+        await asyncio.shield(self._stopped)
 
     def unavailable_reason(self) -> str:
         return {
@@ -241,6 +246,8 @@ class AsyncEngine:
         reason = EngineUnavailableError(self.unavailable_reason())
         streams, self._streams = set(self._streams.values()), {}
         for stream in streams:
+            if exited.state is EngineState.STOPPED:
+                log.warning("%s: cut by the shutdown", stream.id)
             stream._fail(reason)
         if exited.state is not EngineState.DEAD or self._stopping:
             return

@@ -1,9 +1,12 @@
 """Running an app under uvicorn: in the foreground until a signal (`nanoserve serve`), or on a
-background thread bound to a loopback port (`nanoserve chat`, tests)."""
+background thread bound to a loopback port (`nanoserve chat`, tests); either way by `DrainingServer`,
+whose graceful shutdown ends the streams still open with an error event rather than cutting them."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import socket
 import threading
 import time
 from types import FrameType
@@ -12,12 +15,40 @@ from typing import Any
 import httpx
 import uvicorn
 
+# Seconds before uvicorn's graceful shutdown would cancel what still runs, when the engine is stopped.
+DRAIN_MARGIN_S = 1.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown stops the app's engine (`app.state.engine`, an
+    `AsyncEngine`) `DRAIN_MARGIN_S` before its `timeout_graceful_shutdown` runs out: every request
+    still in the engine then fails with "the server is shutting down", so each cut stream writes its
+    error event and [DONE] and ends by itself, and nothing is cancelled mid-write. Without a
+    timeout, in-flight requests are waited for, as uvicorn does."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        engine = getattr(getattr(self.config.app, "state", None), "engine", None)
+        grace = self.config.timeout_graceful_shutdown
+        cut: asyncio.Task[None] | None = None
+        if engine is not None and grace is not None:
+            async def cut_streams() -> None:
+                await asyncio.sleep(max(grace - DRAIN_MARGIN_S, 0.0))
+                await engine.stop()
+
+            cut = asyncio.create_task(cut_streams())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if cut is not None:
+                cut.cancel()
+
 
 def serve_until_signal(server: uvicorn.Server) -> None:
     """Serves until SIGTERM or SIGINT, then stops accepting connections, gives in-flight requests
-    the config's `timeout_graceful_shutdown` seconds to finish, cancels (and so aborts) the rest,
-    stops the engine and returns. uvicorn re-raises the signal it caught once it has shut down;
-    the no-op handlers installed beneath its own turn that into a plain return (exit status 0)."""
+    the config's `timeout_graceful_shutdown` seconds to finish (a `DrainingServer` ends the streams
+    still open just before with an error event), cancels the rest, stops the engine and returns.
+    uvicorn re-raises the signal it caught once it has shut down; the no-op handlers installed
+    beneath its own turn that into a plain return (exit status 0)."""
     handled = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, _ignore) for sig in handled}
     try:
@@ -37,7 +68,7 @@ class ServerThread:
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
         config.setdefault("log_level", "warning")
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **config))
+        self.server = DrainingServer(uvicorn.Config(app, host=host, port=port, **config))
         self._thread = threading.Thread(target=self.server.run, name="nanoserve-http", daemon=True)
         self.url = ""
 
