@@ -33,7 +33,7 @@ from nanoserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_OPERATIONS = frozenset({"encode", "encode_chat", "apply_chat_template", "decode"})
+_OPERATIONS = frozenset({"encode", "encode_chat"})  # the Tokenizer methods a pool runs
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_BYTES = 4 << 30  # a worker's address space: its interpreter, tokenizer and one request
 

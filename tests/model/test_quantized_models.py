@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import mmap
 import os
 import subprocess
 import sys
@@ -336,7 +337,10 @@ def test_weights_advised_onto_huge_pages():
     """Each storage's whole 2 MiB pages, once per storage (tied weights share one), and nothing
     outside it, are marked for huge pages ("hg") before the loader writes them."""
     module = torch.nn.Module()
-    module.register_buffer("w", torch.empty(9 << 20, dtype=torch.uint8))
+    # A mapping of its own: glibc may serve a plain 9 MiB allocation from heap memory that an earlier
+    # test's weights had advised, which would make the pages around this storage "hg" already.
+    mapping = mmap.mmap(-1, 9 << 20)
+    module.register_buffer("w", torch.frombuffer(mapping, dtype=torch.uint8))
     module.register_buffer("tied", module.w[: 1 << 20])
     module.register_buffer("small", torch.empty(1 << 20, dtype=torch.uint8))
     begin = -(-module.w.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
