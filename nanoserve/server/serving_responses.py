@@ -394,16 +394,11 @@ def _keep(store: ResponseStore, reply: _Reply, response: dict[str, Any]) -> None
         store.put(reply.id, StoredResponse(response, reply.conversation(), listed_items(reply.body)))
 
 
-def _event(payload: dict[str, Any]) -> bytes:
-    """One typed SSE event: `event: <type>` then its JSON."""
-    return f"event: {payload['type']}\n".encode() + sse.event(payload)
-
-
 async def _events(serving: Serving, store: ResponseStore, reply: _Reply) -> AsyncGenerator[bytes, None]:
     numbers = itertools.count()
 
     def event(payload: dict[str, Any]) -> bytes:
-        return _event({**payload, "sequence_number": next(numbers)})
+        return sse.named_event(payload["type"], {**payload, "sequence_number": next(numbers)})
 
     model = serving.model_name
     try:

@@ -26,7 +26,8 @@ def event(payload: Any) -> bytes:
 
 
 def named_event(name: str, payload: Any) -> bytes:
-    """An event with an `event:` line, as Anthropic's streams carry one per event (no [DONE])."""
+    """An event with an `event:` line, as Anthropic's and the Responses API's streams carry one per event
+    (no [DONE])."""
     return b"event: " + name.encode() + b"\n" + event(payload)
 
 
