@@ -44,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="the model name clients send (default: MODEL, or "
                    f"{DEMO_MODEL_NAME} for the demo model)")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
-                   help="requests allowed to wait for a slot; beyond it the server answers 429")
+                   help="sequences allowed to wait for a slot (a request adds one per prompt and choice: "
+                        "prompts times n); a request that would pass it is answered 429 before any work "
+                        f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default="auto",

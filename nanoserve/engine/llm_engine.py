@@ -152,6 +152,12 @@ class LLMEngine:
         after preemption)."""
         return len(self._groups) - self.num_running
 
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences waiting to be admitted (or again after preemption), those of requests whose
+        constraint still compiles included."""
+        return len(self.scheduler.waiting) + sum(len(self._groups[r].sequences) for r in self._compiling)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or bool(self._compiling)
 
@@ -166,7 +172,8 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's state now, for a front end (counters since the engine was built)."""
         running = self.num_running
-        return EngineSnapshot(num_running=running, num_waiting=len(self._groups) - running, kv=self.kv.snapshot(),
+        return EngineSnapshot(num_running=running, num_waiting=len(self._groups) - running,
+                              num_waiting_seqs=self.num_waiting_seqs, kv=self.kv.snapshot(),
                               prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generated_tokens,
                               spec=dataclasses.replace(self.spec_stats))
 

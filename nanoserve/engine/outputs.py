@@ -129,11 +129,14 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """The engine's state between two steps. Requests, not sequences: a request runs while any
-    of its sequences runs, and waits while none runs and one still waits."""
+    """The engine's state between two steps. `num_running`, `num_waiting`: requests, not
+    sequences (a request runs while any of its sequences runs, and waits while none runs and one
+    still waits); `num_waiting_seqs`: the sequences that wait, of every request (each of a
+    request's n counts), which is what a front end bounds its queue by."""
 
     num_running: int
     num_waiting: int
+    num_waiting_seqs: int
     kv: KVStats
     prompt_tokens: int
     generation_tokens: int

@@ -89,9 +89,10 @@ class QueueFullError(RuntimeError):
 class AsyncEngine:
     """Owns the engine core. States: LOADING -> RUNNING -> STOPPED (stop) or DEAD (a broken
     engine or a dead process), and DEAD -> LOADING when a dead core process is restarted; LOADING
-    -> DEAD when the loader raises. Requests are accepted only while RUNNING and while fewer than
-    `max_queued_requests` requests wait, counting those handed off but not yet seen by the core,
-    so the waiting queue is bounded at every moment."""
+    -> DEAD when the loader raises. Requests are accepted only while RUNNING and while their
+    sequences (n of them per prompt) fit in the queue: at most `max_queued_requests` sequences
+    wait, counting those handed off but not yet seen by the core, so the waiting queue is bounded
+    at every moment whatever each request's n."""
 
     def __init__(self, loader: Callable[[], LLMEngine] | EngineArgs, *, max_queued_requests: int = 1024,
                  metrics: Metrics | None = None, stream_interval: int = 1, max_restarts: int = DEFAULT_MAX_RESTARTS,
@@ -126,8 +127,10 @@ class AsyncEngine:
         self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # engine request id -> its API request's stream
-        self._handed_off = 0  # AddRequests the core has not taken yet
-        self._waiting = 0
+        # Sequences of each AddRequest the core has not taken yet, in the order sent, and their sum.
+        self._handed_off: collections.deque[int] = collections.deque()
+        self._handed_off_seqs = 0
+        self._waiting = 0  # sequences waiting in the core, as of its last update
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._process: BaseProcess | None = None
@@ -167,25 +170,27 @@ class AsyncEngine:
             kind: str = "cmpl") -> OutputStream:
         """Hands each prompt to the engine as one request with `params`. The caller has validated
         them (EngineLimits.validate). Raises EngineUnavailableError or QueueFullError."""
-        self.admit(len(prompts))
+        self.admit(len(prompts) * params.n)
         api_id = f"{kind}-{uuid.uuid4().hex}"
         ids = [api_id] if len(prompts) == 1 else [f"{api_id}-{i}" for i in range(len(prompts))]
         stream = OutputStream(self, api_id, ids)
         for rid, prompt in zip(ids, prompts, strict=True):
             self._streams[rid] = stream
             self._commands.put(AddRequest(rid, prompt, dataclasses.replace(params), priority))
-        self._handed_off += len(prompts)
+            self._handed_off.append(params.n)
+        self._handed_off_seqs += len(prompts) * params.n
         return stream
 
     def admit(self, count: int) -> None:
-        """Whether `count` more requests could be queued now (EngineUnavailableError or
-        QueueFullError if not): front ends ask before they render or tokenize anything, and `add`
-        asks again."""
+        """Whether `count` more sequences (a request's prompts times its n) could be queued now
+        (EngineUnavailableError or QueueFullError if not): front ends ask before they render or
+        tokenize anything, and `add` asks again."""
         if self.state is not EngineState.RUNNING:
             raise EngineUnavailableError(self.unavailable_reason())
-        if self._handed_off + self._waiting + count > self.max_queued_requests:
-            raise QueueFullError(f"{self._handed_off + self._waiting} requests are waiting "
-                                 f"(max_queued_requests={self.max_queued_requests})")
+        queued = self._handed_off_seqs + self._waiting
+        if queued + count > self.max_queued_requests:
+            raise QueueFullError(f"{queued} sequences are waiting and this request adds {count} "
+                                 f"(max_queued_requests={self.max_queued_requests} sequences)")
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -219,8 +224,9 @@ class AsyncEngine:
             self._on_exit(message)
 
     def _on_update(self, update: Update) -> None:
-        self._handed_off -= update.applied_adds
-        self._waiting = update.snapshot.num_waiting
+        for _ in range(update.applied_adds):
+            self._handed_off_seqs -= self._handed_off.popleft()
+        self._waiting = update.snapshot.num_waiting_seqs
         self._set_snapshot(update.snapshot)
         for rid in update.scheduled:
             if (stream := self._streams.get(rid)) is not None:
@@ -281,7 +287,8 @@ class AsyncEngine:
             return
         old, self._commands = self._commands, queue.SimpleQueue()
         old.put(None)  # ends the dead core's writer thread
-        self._handed_off = self._waiting = 0
+        self._handed_off.clear()
+        self._handed_off_seqs = self._waiting = 0
         self.state, self.num_restarts = EngineState.LOADING, self.num_restarts + 1
         if self.metrics is not None:
             self.metrics.engine_restarts.inc()

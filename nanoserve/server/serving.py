@@ -210,8 +210,9 @@ class Serving:
                            f"{', '.join(unknown)}", param=unknown[0], code="unsupported_field")
 
     def admit(self, count: int = 1) -> None:
-        """A 429 (with Retry-After) when `count` more requests would overflow the queue, a 503 when
-        the engine is not running: asked before a request's text is rendered or tokenized."""
+        """A 429 (with Retry-After) when `count` more sequences (prompts times n) would overflow the
+        queue, a 503 when the engine is not running: asked before a request's text is rendered or
+        tokenized."""
         self._admitted(lambda: self.engine.admit(count))
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, priority: int,

@@ -107,7 +107,7 @@ async def start_chat(serving: Serving, body: ChatCompletionRequest, id_prefix: s
     after a think block) and submits it; raises APIError (a 400 before anything runs) for what
     cannot run."""
     serving.check_request(body, body.model)
-    serving.admit()
+    serving.admit(body.n or 1)
     info = serving.running_info()
     tok = serving.tokenizer()
     forced = body.forced_tools()

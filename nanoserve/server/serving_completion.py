@@ -61,7 +61,7 @@ async def prepare_completion(serving: Serving, info: EngineInfo, tok: Tokenizer,
 
 async def create_completion(serving: Serving, body: CompletionRequest, request: Request) -> Response:
     serving.check_request(body, body.model)
-    serving.admit(len(body.prompts()))
+    serving.admit(len(body.prompts()) * (body.n or 1))
     info = serving.running_info()
     tok = serving.tokenizer()
     ids, params = await prepare_completion(serving, info, tok, body)

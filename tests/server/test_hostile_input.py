@@ -16,7 +16,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from support.server import SERVED, make_engine, pace, serve, wait_idle
+from support.server import SERVED, hold_after_first_output, make_engine, pace, serve, sse_payloads, wait_idle
 
 TEMPLATE = (
     "{%- set last = messages[-1].content -%}"
@@ -147,6 +147,40 @@ def test_a_full_queue_answers_429_before_rendering_anything(hostile_model: Path,
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert time.monotonic() - t0 < PROMPT_TIMEOUT_S  # refused before its template ran
     wait_idle(app)
+
+
+def test_the_queue_bound_counts_sequences_not_requests(hostile_model: Path, monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """With room for 8 waiting sequences, a request for 128 choices gets its 429 at once (before
+    its template, which would spin to its deadline, is rendered), as does one of 2 prompts times 5;
+    a request of exactly 8 choices runs, and while 7 of its sequences wait (one runs at a time),
+    a request for 2 more is refused."""
+    engine = make_engine(hostile_model, max_num_seqs=1)
+    release = hold_after_first_output(engine, monkeypatch)
+    with serve(engine, max_queued_requests=8, prompt_timeout_s=PROMPT_TIMEOUT_S) as (url, app):
+        t0 = time.monotonic()
+        r = _chat(url, "spin", n=128)
+        assert r.status_code == 429, r.text
+        assert time.monotonic() - t0 < PROMPT_TIMEOUT_S
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+        assert "0 sequences are waiting and this request adds 128" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": SERVED, "prompt": ["a", "b"], "n": 5, "max_tokens": 2})
+        assert r.status_code == 429 and "this request adds 10" in r.json()["error"]["message"]
+        body = {"model": SERVED, "messages": [{"role": "user", "content": "hello"}], "n": 8, "max_tokens": 2,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as eight:
+            assert eight.status_code == 200
+            deadline = time.monotonic() + 30
+            while app.state.engine.snapshot.num_waiting_seqs != 7:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            r = _chat(url, "hello", n=2)
+            assert r.status_code == 429 and "7 sequences are waiting and this request adds 2" in r.text
+            release.set()
+            choices = {c["index"] for p in sse_payloads(eight.read()) for c in p["choices"]}
+        assert choices == set(range(8))
+        wait_idle(app)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
