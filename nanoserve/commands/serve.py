@@ -10,8 +10,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import uvicorn
-
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
@@ -24,6 +22,13 @@ from nanoserve.server.app import DEFAULT_PROMPT_WORKERS
 from nanoserve.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import PARSER_NAMES, TOOL_PARSERS
+from nanoserve.server.connection_limits import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits,
+    LimitedConfig,
+)
 from nanoserve.server.http_server import DrainingServer, serve_until_signal
 from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE
@@ -47,6 +52,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="sequences allowed to wait for a slot (a request adds one per prompt and choice: "
                         "prompts times n); a request that would pass it is answered 429 before any work "
                         f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="a connection must send a whole request line and headers within this long of connecting "
+                        "(or of its previous response), else it is closed, after a 408 "
+                        f"(against slowloris; default: {DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
+                   help=f"close a connection idle this long between requests (default: {DEFAULT_IDLE_TIMEOUT_S})")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="a connection opened while N are open gets a 503 (Retry-After) and is closed "
+                        f"(default: {DEFAULT_MAX_CONNECTIONS}; keep it below the open-files limit, `ulimit -n`)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     p.add_argument("--tool-call-parser", choices=PARSER_NAMES, default="auto",
@@ -114,9 +128,10 @@ def run(ns: argparse.Namespace) -> int:
                           engine_restarts=ns.engine_restarts, max_body_bytes=int(ns.max_request_body_mb * 2**20),
                           responses_store_size=ns.responses_store_size)
     app = build_app(engine, config, on_fatal=shut_down)
-    server = DrainingServer(uvicorn.Config(app, host=ns.host, port=ns.port,
-                                           timeout_graceful_shutdown=ns.shutdown_timeout,
-                                           log_level=logging.getLevelName(logging.getLogger().level).lower()))
+    limits = ConnectionLimits(ns.header_timeout, ns.timeout_keep_alive, ns.max_connections)
+    server = DrainingServer(LimitedConfig(app, limits, host=ns.host, port=ns.port,
+                                          timeout_graceful_shutdown=ns.shutdown_timeout,
+                                          log_level=logging.getLevelName(logging.getLogger().level).lower()))
     log.info("serving %s on http://%s:%d (loading the model; /health answers 503 until it is ready)",
              name, ns.host, ns.port)
     serve_until_signal(server)

@@ -1,6 +1,7 @@
 """Running an app under uvicorn: in the foreground until a signal (`nanoserve serve`), or on a
 background thread bound to a loopback port (`nanoserve chat`, tests); either way by `DrainingServer`,
-whose graceful shutdown ends the streams still open with an error event rather than cutting them."""
+whose graceful shutdown ends the streams still open with an error event rather than cutting them,
+and under `ConnectionLimits` (header deadline, keep-alive, connection cap: `connection_limits`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 
 import httpx
 import uvicorn
+
+from nanoserve.server.connection_limits import ConnectionLimits, LimitedConfig
 
 # Seconds before uvicorn's graceful shutdown would cancel what still runs, when the engine is stopped.
 DRAIN_MARGIN_S = 1.0
@@ -63,12 +66,13 @@ def _ignore(sig: int, frame: FrameType | None) -> None:
 
 
 class ServerThread:
-    """uvicorn serving an app on a daemon thread (no signal handling there). Use as a context
-    manager: `url` is set on entry (port 0 picks a free port); exit shuts the server down."""
+    """uvicorn serving an app on a daemon thread (no signal handling there), under `limits`. Use as
+    a context manager: `url` is set on entry (port 0 picks a free port); exit shuts the server down."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, limits: ConnectionLimits | None = None,
+                 **config: Any) -> None:
         config.setdefault("log_level", "warning")
-        self.server = DrainingServer(uvicorn.Config(app, host=host, port=port, **config))
+        self.server = DrainingServer(LimitedConfig(app, limits, host=host, port=port, **config))
         self._thread = threading.Thread(target=self.server.run, name="nanoserve-http", daemon=True)
         self.url = ""
 
