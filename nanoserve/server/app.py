@@ -7,8 +7,8 @@ core (a thread or a process) starts and stops with the app's lifespan; `app.stat
 `AsyncEngine` (tests read its `snapshot` to check that the KV pool is free again).
 
 The POST routes read their bodies themselves (`_parse`: JSON whatever the Content-Type, strict
-types, 400s in the route's error shape); `/openapi.json` still documents each body, by its pydantic model
-(`_document_bodies`), so `/docs` and generated clients see every field.
+types, 400s in the route's error shape); `/openapi.json` still documents each body, by its pydantic model,
+and every status and content type each route answers (`openapi.document`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
-from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoserve.engine.args import EngineArgs
@@ -35,9 +33,10 @@ from nanoserve.runtime.metrics import Metrics
 from nanoserve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS
+from nanoserve.server.openapi import document
 from nanoserve.server.protocol.anthropic import CountTokensRequest, MessagesRequest
 from nanoserve.server.protocol.embeddings import EmbeddingRequest
-from nanoserve.server.protocol.errors import APIError, anthropic_route, install_error_handlers, invalid_request
+from nanoserve.server.protocol.errors import APIError, install_error_handlers, invalid_request
 from nanoserve.server.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -142,44 +141,14 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     _add_routes(app, serving, metrics)
     _add_responses_routes(app, serving, ResponseStore(config.responses_store_size))
     register_pages(app)
-    _document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                           "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
-                           "/detokenize": DetokenizeRequest, "/v1/messages": MessagesRequest,
-                           "/v1/messages/count_tokens": CountTokensRequest, "/v1/responses": ResponsesRequest})
+    document(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                   "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+                   "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+                   "/v1/responses": ResponsesRequest},
+             model_name=name, ignore_unknown_fields=config.ignore_unknown_fields,
+             guarded=_guarded if config.api_key else None)
     register_dashboard(app, async_engine)
     return app
-
-
-def _document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
-    """Makes `app.openapi()` describe each route's JSON body by its model (the routes parse bodies
-    themselves, so FastAPI cannot see them), and the 400 every body can get, in its route's shape."""
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            refs, defs = models_json_schema([(m, "validation") for m in bodies.values()],
-                                            ref_template="#/components/schemas/{model}")
-            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-            schemas.update(defs.get("$defs", {}))
-            schemas["ErrorResponse"] = {"type": "object", "required": ["error"], "properties": {"error": {
-                "type": "object", "required": ["message", "type"],
-                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                               "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-            schemas["AnthropicErrorResponse"] = {"type": "object", "required": ["type", "error"], "properties": {
-                "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
-                    "type": {"type": "string"}, "message": {"type": "string"}}}}}
-            error = {"description": "an invalid request (`error.param` names the field)",
-                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-            anthropic_error = {"description": "an invalid request", "content": {
-                "application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorResponse"}}}}
-            for path, model in bodies.items():
-                operation = spec["paths"][path]["post"]
-                operation["requestBody"] = {"required": True, "content": {
-                    "application/json": {"schema": refs[(model, "validation")]}}}
-                operation.setdefault("responses", {})["400"] = anthropic_error if anthropic_route(path) else error
-            app.openapi_schema = spec
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _ready(engine: LLMEngine) -> Callable[[], LLMEngine]:

@@ -34,7 +34,7 @@ class _Part(BaseModel):
     """A model nested in a request body: a field it does not know is a 400 naming it (unless sent
     as null), as the request's own unknown fields are (`Serving.check_request`)."""
 
-    model_config = _CONFIG
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": {"type": "null"}})
 
     @model_validator(mode="after")
     def _known_fields_only(self) -> Self:

@@ -6,18 +6,19 @@ handler, as for the other endpoints."""
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Annotated, Literal, cast
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, WithJsonSchema
 
 from nanoserve.server.protocol.errors import APIError
+from nanoserve.server.protocol.openai import PROMPT_SCHEMA
 
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None
     user: str | None = None  # the end user's id (OpenAI's abuse monitoring): changes no output

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match, Route
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,19 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     status = exc.status_code
     message = f"no route {request.method} {request.url.path}" if status in (404, 405) else str(exc.detail)
     headers = dict(exc.headers) if exc.headers else None
+    if status == 405:  # every method of the path, not only the first route's that matched it
+        headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
     error = APIError(status, message, code="not_found" if status == 404 else None, headers=headers)
     return error.response(request.url.path)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

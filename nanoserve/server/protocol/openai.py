@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import keyword
-from typing import Any, ClassVar, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from nanoserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from nanoserve.server.protocol.errors import APIError, bad_request
@@ -384,8 +384,18 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# What a prompt may be: a text or token ids, or a batch of those; none of them empty (`prompts`).
+PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                               "items": {"type": "integer", "minimum": 0}}},
+]}
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = None
     echo: bool | None = None
     prompt_logprobs: int | None = None
@@ -411,7 +421,9 @@ class CompletionRequest(_SamplingRequest):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: either `prompt` or `messages` (rendered with the chat template)."""
 
-    model_config = _CONFIG
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -422,4 +434,4 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = _CONFIG
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[int], WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": 0}})]

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
 _CONFIG = ConfigDict(strict=True, extra="allow")
 # The one `include` value honoured: reasoning items carry their text in `encrypted_content` too, for
 # clients that keep no state (`store: false`) and send reasoning back that way. It is not encrypted:
 # nanoserve holds no key, and the text is in the item's `content` already.
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
-# Items keep unknown fields in `model_extra`, where `chat_messages` refuses those that are not null.
 _ITEM = ConfigDict(strict=True, extra="allow")
+# Input items keep unknown fields in `model_extra`, where `chat_messages` refuses those that are not
+# null; their schemas say so.
+_INPUT_ITEM = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": {"type": "null"}})
 
 
 class TextPart(BaseModel):
@@ -39,7 +41,7 @@ class TextPart(BaseModel):
 
 
 class MessageItem(BaseModel):
-    model_config = _ITEM
+    model_config = _INPUT_ITEM
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
@@ -52,7 +54,7 @@ class MessageItem(BaseModel):
 
 
 class FunctionCallItem(BaseModel):
-    model_config = _ITEM
+    model_config = _INPUT_ITEM
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -62,7 +64,7 @@ class FunctionCallItem(BaseModel):
 
 
 class FunctionCallOutputItem(BaseModel):
-    model_config = _ITEM
+    model_config = _INPUT_ITEM
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
@@ -83,7 +85,7 @@ class ReasoningItem(BaseModel):
     """A reasoning item of an earlier output, sent back: its text goes to the next assistant
     turn's `reasoning_content` (templates that keep past reasoning read it there)."""
 
-    model_config = _ITEM
+    model_config = _INPUT_ITEM
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
@@ -175,11 +177,13 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # a routing hint; nanoserve's prefix cache needs none
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
-    background: bool | None = None
-    max_tool_calls: int | None = None
-    top_logprobs: int | None = None
+    # Fields of OpenAI's whose other values are refused (`unsupported`): their schemas list the values taken.
+    truncation: Annotated[Literal["auto", "disabled"] | None, WithJsonSchema({"enum": ["disabled", None]})] = None
+    include: Annotated[list[str] | None, WithJsonSchema(
+        {"anyOf": [{"type": "array", "items": {"const": ENCRYPTED_REASONING}}, {"type": "null"}]})] = None
+    background: Annotated[bool | None, WithJsonSchema({"enum": [False, None]})] = None
+    max_tool_calls: Annotated[int | None, WithJsonSchema({"type": "null"})] = None
+    top_logprobs: Annotated[int | None, WithJsonSchema({"enum": [0, None]})] = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to a value nanoserve cannot honour, else None."""
