@@ -20,7 +20,7 @@ class EngineArgs:
 
     model: str | None = None
     dtype: str = "auto"
-    quantization: str = "none"  # none, or int8: a safetensors checkpoint's layer matrices as q8_0 blocks
+    quantization: str = "none"  # none; int8: a safetensors checkpoint's layer matrices as q8_0 blocks; dense
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -75,8 +75,8 @@ class EngineArgs:
         if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a positive multiple of "
                              f"nnodes ({self.nnodes})")
-        if self.tensor_parallel_size > 1 and self.quantization != "none":
-            raise ValueError("tensor parallelism shards dense weights only; quantization must be 'none' with "
+        if self.tensor_parallel_size > 1 and self.quantization not in ("none", "dense"):
+            raise ValueError("tensor parallelism shards dense weights only; quantization must be 'none' or 'dense' with "
                              "tensor_parallel_size > 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank}")
