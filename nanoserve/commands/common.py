@@ -12,13 +12,13 @@ from nanoserve.model.quant.quant_config import QUANTIZATION_METHODS
 _HELP = {
     "dtype": "auto (bf16 on GPUs and CPUs with native bf16, else fp32), bfloat16 or float32; float16 only on CUDA",
     "device": "cpu or cuda",
-    "quantization": "none (as the checkpoint holds them), int8: quantize a safetensors checkpoint's layer matrices (q/k/v, o, gate/up, down) "
-                    "to Q8_0 blocks at load (per-32-value fp16 scales; the embedding, LM head and norms stay "
-                    "--dtype). A GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K matrices stay quantized whatever this "
-                    "says (the file decides; int8 must match it). dense: the reference mode, every matrix dense in --dtype "
-                    "(a GGUF file's blocks dequantized at load, so no product quantizes its activations; with --dtype "
-                    "float32 the products are transformers' on the same dequantized weights). CPU only: on CUDA "
-                    "weights are dequantized to --dtype",
+    "quantization": "none (the matrices as the checkpoint holds them), int8: quantize a safetensors checkpoint's "
+                    "layer matrices (q/k/v, o, gate/up, down) to Q8_0 blocks at load (per-32-value fp16 scales; the "
+                    "embedding, LM head and norms stay --dtype). A GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K "
+                    "matrices stay quantized (the file decides; int8 must match it) unless dense: the reference "
+                    "mode, every matrix dense in --dtype (a GGUF file's blocks dequantized at load, so no product "
+                    "quantizes its activations; with --dtype float32 the products are transformers' on the same "
+                    "dequantized weights). CPU only: on CUDA weights are dequantized to --dtype",
     "max_model_len": "context length limit (default: the model's)",
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
