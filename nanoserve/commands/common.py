@@ -43,6 +43,8 @@ _HELP = {
     "gpu_memory_utilization": "CUDA: share of GPU memory for weights, activations and the KV pool (sizes the pool "
                               "unless --kv-cache-memory or --num-kv-blocks is given)",
     "enforce_eager": "CUDA: run decode steps eagerly, without CUDA graphs",
+    "chat_template": "override the model's chat template: the path of a Jinja file, else the template itself "
+                     "(it replaces the tool-use template too; --tool-call-parser auto then reads this one)",
     "generation_config": "sampling defaults for fields a request leaves unset: auto (temperature, top_p, top_k, "
                          "min_p, repetition_penalty from the model's generation_config.json), vllm (nanoserve's own "
                          "defaults) or a folder holding a generation_config.json",
@@ -54,7 +56,7 @@ _HELP = {
 # Fields whose default is None, by the type a given value has.
 _OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int, "num_kv_blocks": int,
                                     "speculative_method": str, "speculative_model": str,
-                                    "speculative_disable_by_batch_size": int}
+                                    "speculative_disable_by_batch_size": int, "chat_template": str}
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:

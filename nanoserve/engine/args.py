@@ -41,6 +41,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (triton on CUDA; cpu, else torch, elsewhere), cpu, torch or triton
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    chat_template: str | None = None  # overrides the model's chat template: a file's path, else the Jinja text
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm, a folder
     tensor_parallel_size: int = 1  # ranks the model is sharded over (nanoserve.parallel)
     nnodes: int = 1  # machines the ranks span (MASTER_ADDR / MASTER_PORT name rank 0's)
