@@ -76,9 +76,9 @@ class EngineArgs:
         if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a positive multiple of "
                              f"nnodes ({self.nnodes})")
-        if self.tensor_parallel_size > 1 and self.quantization not in ("none", "dense"):
-            raise ValueError("tensor parallelism shards dense weights only; quantization must be 'none' or "
-                             "'dense' with tensor_parallel_size > 1")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            raise ValueError("tensor parallelism shards dense weights only; quantization must be 'none' with "
+                             "tensor_parallel_size > 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
