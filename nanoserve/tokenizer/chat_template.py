@@ -101,7 +101,11 @@ def load_chat_template(value: str) -> str:
     `value` if there is one, else `value` itself when it reads as Jinja (holds `{{` or `{%`).
     Raises ChatTemplateError for a value that is neither, and for a template that does not compile."""
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a literal template: a name too long for a path, a NUL
+        is_file = False
+    if is_file:
         try:
             template = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:

@@ -17,7 +17,7 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.runtime.builder import build_engine
 from nanoserve.runtime.llm import LLM
 from nanoserve.tokenizer import Tokenizer, render_chat_template
-from nanoserve.tokenizer.chat_template import ChatTemplateError
+from nanoserve.tokenizer.chat_template import ChatTemplateError, load_chat_template
 
 from support.server import ENGINE_ARGS, SERVED, make_engine, serve, wait_idle
 
@@ -94,6 +94,12 @@ def test_literal_template_in_the_offline_api(demo_dir: Path, demo_tokenizer: Tok
     out = llm.chat(MESSAGES)
     assert out[0].prompt_token_ids == demo_tokenizer.encode(
         "SYSTEM: Be brief.\nUSER: Hello there\nASSISTANT:", add_special_tokens=False)
+
+
+def test_a_long_literal_is_not_taken_for_a_path() -> None:
+    """Real templates run to thousands of characters: more than a file name may hold."""
+    long = "{# " + "x" * 5000 + " #}" + LITERAL
+    assert load_chat_template(long) == long
 
 
 @pytest.mark.parametrize(("value", "message"), [
