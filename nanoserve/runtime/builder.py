@@ -32,6 +32,7 @@ from nanoserve.parallel.megatron import TensorParallelCausalLM
 from nanoserve.parallel.runner import TensorParallelLaunch, TensorParallelRunner
 from nanoserve.parallel.worker import WorkerRanks
 from nanoserve.tokenizer import Tokenizer
+from nanoserve.tokenizer.chat_template import load_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     launch = TensorParallelLaunch(args) if args.tensor_parallel_size > 1 else None
     if loaded is None:
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    if args.chat_template is not None:
+        loaded.tokenizer.override_chat_template(load_chat_template(args.chat_template))
+        log.info("the model's chat template is replaced by --chat-template's")
     device = torch.device(args.device)
     loaded.model.ops = select_layer_ops(args.attention_backend, device, loaded.model.dtype)
     draft = _load_draft(args, loaded, device) if args.spec_method == "draft" else None

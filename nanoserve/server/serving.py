@@ -167,7 +167,8 @@ class Serving:
             return JsonListParser
         if parser is None:
             raise APIError(400, "this model's chat template shows no tool-call format nanoserve can parse; start the "
-                           f"server with --tool-call-parser {TOOL_PARSERS.alternatives()}", param="tools")
+                           f"server with --tool-call-parser {TOOL_PARSERS.alternatives()} (the format the model "
+                           "writes its calls in), or with a --chat-template that shows it", param="tools")
         return parser
 
     def reasoning_format(self, tok: Tokenizer) -> str | None:

@@ -24,6 +24,7 @@ import json
 from collections.abc import Iterator, Mapping
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -93,6 +94,29 @@ def render_chat_template(
         raise ChatTemplateError("the chat template ran out of the memory it may use") from exc
     except Exception as exc:  # untrusted template code: any failure is the template's
         raise ChatTemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
+
+
+def load_chat_template(value: str) -> str:
+    """The template `--chat-template VALUE` names (vLLM's flag): the text of the file at path
+    `value` if there is one, else `value` itself when it reads as Jinja (holds `{{` or `{%`).
+    Raises ChatTemplateError for a value that is neither, and for a template that does not compile."""
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a literal template: a name too long for a path, a NUL
+        is_file = False
+    if is_file:
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"--chat-template {value}: cannot read the file ({e})") from None
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ChatTemplateError(f"--chat-template {value!r}: no such file, and not a Jinja template "
+                                "(a literal template holds {{ or {%)")
+    _compile(template)
+    return template
 
 
 def _joined(pieces: Iterator[str], limit: int | None) -> str:

@@ -100,6 +100,12 @@ class Tokenizer:
         """Text of `ids`; special (added, `special=True`) tokens are dropped when asked."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def override_chat_template(self, template: str) -> None:
+        """Renders every conversation with `template` from now on (`--chat-template`): it replaces
+        the checkpoint's template and its tool-use template alike."""
+        self.chat_template = template
+        self.tool_chat_template = None
+
     def apply_chat_template(
         self,
         messages: list[dict],

@@ -455,7 +455,7 @@ def test_quantization_flag_errors(gguf_file, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["generate", "--quantization", "int4", "--prompt", "x"])
     assert exit_info.value.code == 2
-    assert "invalid choice: 'int4' (choose from 'none', 'int8')" in capsys.readouterr().err
+    assert "invalid choice: 'int4' (choose from 'none', 'int8', 'dense')" in capsys.readouterr().err
     with pytest.raises(ValueError, match="quantization must be one of none, int8"):
         LLM(None, quantization="fp8")
     _, q4 = gguf_file("llama", "Q4_0")

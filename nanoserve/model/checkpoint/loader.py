@@ -26,7 +26,7 @@ from nanoserve.model.checkpoint.weights import load_weights
 from nanoserve.model.config import ModelConfig, ModelLoadError
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
-from nanoserve.model.quant.quant_config import QUANTIZATION_METHODS, QuantConfig
+from nanoserve.model.quant.quant_config import DENSE, QUANTIZATION_METHODS, QuantConfig
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -184,9 +184,10 @@ def load_model(
 
     Weight formats: a GGUF file's matrices keep the block formats nanoserve multiplies (the file
     decides: `quantization` must be "none" or what the file holds); a safetensors checkpoint's layer
-    matrices are quantized at load as `quantization` says (`QUANTIZATION_METHODS`). Off the CPU every
-    matrix is dense (no GPU kernel takes blocks yet). `dtype` is the activations' and norms' dtype,
-    and that of the dense matrices."""
+    matrices are quantized at load as `quantization` says (`QUANTIZATION_METHODS`). With
+    `quantization="dense"` (the reference mode) and off the CPU (no GPU kernel takes blocks yet)
+    every matrix is dense: a GGUF file's blocks are dequantized at load, so no product quantizes its
+    activations. `dtype` is the activations' and norms' dtype, and that of the dense matrices."""
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)}")
     method = QUANTIZATION_METHODS[quantization]
@@ -216,6 +217,11 @@ def load_model(
         tokenizer = Tokenizer.from_pretrained_dir(path, extra_stop_token_ids=extra_stops)
         quant = QuantConfig() if method is None else QuantConfig.for_layers(
             method, families[config.family], config.num_hidden_layers)
+    if quantization == DENSE and quant.formats:
+        log.info("%s: --quantization dense: dequantizing its %s matrices to %s at load (no product quantizes "
+                 "its activations)", path.name, ", ".join(sorted(quant.used_formats)),
+                 str(torch_dtype).removeprefix("torch."))
+        quant = QuantConfig()
     if dev.type != "cpu" and quant.formats:
         log.info("%s: no %s kernel for %s weights yet; dequantizing them to %s at load", path.name, dev.type,
                  ", ".join(sorted(quant.used_formats)), str(torch_dtype).removeprefix("torch."))
