@@ -42,8 +42,11 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     draft model (if any) runs whole on rank 0."""
     if args.tensor_parallel_size > 1 and loaded is not None:
         raise ValueError("with tensor_parallel_size > 1 every rank loads args.model itself; pass no loaded model")
+    if args.threads is not None:  # the C++ kernels take torch's thread count on every call
+        torch.set_num_threads(args.threads)
     launch = TensorParallelLaunch(args) if args.tensor_parallel_size > 1 else None
     if loaded is None:
+        log.info("loading %s", args.model or "the demo model")
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     device = torch.device(args.device)
     loaded.model.ops = select_layer_ops(args.attention_backend, device, loaded.model.dtype)

@@ -27,9 +27,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanoserve.tokenizer.tokenizer import Tokenizer
+if TYPE_CHECKING:
+    from nanoserve.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,6 @@ from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, S
 from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight
 
 DENSE = "dense"
-# `--quantization` values: the block format a dense checkpoint's layer matrices are quantized to
-# at load (None: kept dense). No int4 (q4_0): its one-row product is slower than q8_0's and no faster
-# at 16 rows (half the bytes, but more work per value to unpack; the figures are in
-# docs/benchmarks-history.md, "Figures once quoted in code and in docs/architecture.md").
-QUANTIZATION_METHODS: Mapping[str, str | None] = MappingProxyType({"none": None, "int8": "q8_0"})
 # The matrices of a decoder layer (`--quantization` quantizes these; norms and biases stay dense).
 LAYER_MATRICES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
