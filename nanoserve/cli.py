@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 
-from nanoserve import __version__
-from nanoserve.commands.settings import DefaultsFormatter, SettingsError, apply_settings
 from nanoserve.log import LOG_LEVELS, configure_logging
+from nanoserve.settings import DefaultsFormatter, SettingsError, apply_settings
 
 # Each subcommand and its one-line help (its module, nanoserve.commands.<name>, has `register`).
 COMMANDS = {
@@ -33,7 +33,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     flags are moved to the environment's and their --config file's values (SettingsError)."""
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.splitlines()[0],
                                      formatter_class=DefaultsFormatter)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('nanoserve')}")
     parser.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS,
                         help="log records at this level and above, the libraries' (uvicorn, httpx) too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")

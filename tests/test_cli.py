@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from nanoserve import __version__, cli
-from nanoserve.commands.settings import DefaultsFormatter
+from nanoserve.settings import DefaultsFormatter
 from tests.support.server import make_engine, serve
 
 COMMAND = [sys.executable, "-m", "nanoserve.cli"]

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.commands.settings import add_config_arg
 from nanoserve.server.defaults import DEMO_MODEL_NAME
+from nanoserve.settings import add_config_arg
 
 if TYPE_CHECKING:
     import httpx

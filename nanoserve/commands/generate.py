@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.commands.settings import add_config_arg
+from nanoserve.settings import add_config_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -8,15 +8,14 @@ imports nothing heavy; `run` imports the server and the engine."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from nanoserve import __version__
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.commands.settings import add_config_arg
 from nanoserve.model.checkpoint.sources import source_kind
 from nanoserve.runtime.defaults import DEFAULT_MAX_RESTARTS
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REASONING_PARSERS
@@ -29,6 +28,7 @@ from nanoserve.server.defaults import (
     DEMO_MODEL_NAME,
 )
 from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE
+from nanoserve.settings import add_config_arg
 from nanoserve.supervisor.router import ROUTER_POLICIES
 from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S
 
@@ -145,7 +145,8 @@ def bind(host: str, port: int) -> socket.socket:
 def _serve(ns: argparse.Namespace, args: EngineArgs, listener: socket.socket) -> int:
     started = time.monotonic()
     name = ns.served_model_name or ns.model or DEMO_MODEL_NAME
-    log.info("nanoserve %s: serving %s on http://%s:%d; importing the server and the engine", __version__, name,
+    log.info("nanoserve %s: serving %s on http://%s:%d; importing the server and the engine",
+             importlib.metadata.version("nanoserve"), name,
              ns.host, ns.port)
     import functools
 
