@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from tqdm import tqdm  # type: ignore[import-untyped]
 
+from nanoserve.log import Progress
 from nanoserve.model import demo
 from nanoserve.model.checkpoint import registry_models
 from nanoserve.model.checkpoint.sources import source_kind
@@ -117,14 +117,14 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of all shards (`read_safetensors`), with a progress bar for large checkpoints."""
+    """The tensors of all shards (`read_safetensors`), with progress shown for large checkpoints
+    (a bar on a terminal, a log line every few seconds elsewhere: `nanoserve.log.Progress`)."""
     total = sum(f.stat().st_size for f in files)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
-              disable=total < PROGRESS_BAR_BYTES) as bar:
+    with Progress(total, "loading weights", log, shown=total >= PROGRESS_BAR_BYTES) as progress:
         for f in files:
             for name, tensor in read_safetensors(f):
                 yield name, tensor
-                bar.update(tensor.numel() * tensor.element_size())
+                progress.update(tensor.numel() * tensor.element_size())
 
 
 SAFETENSORS_DTYPES = {
