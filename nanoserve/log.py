@@ -20,7 +20,7 @@ def configure_logging(level: int | str) -> None:
     only, unless `level` is DEBUG; pass uvicorn `log_config=None, log_level=None` so its loggers
     keep these levels and this format."""
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
-    numeric = logging.getLogger().getEffectiveLevel() if isinstance(level, str) else level
+    numeric = logging.getLevelNamesMapping()[level] if isinstance(level, str) else level
     for name in ("uvicorn.access", "httpx"):
         logging.getLogger(name).setLevel(numeric)
     logging.getLogger("uvicorn.error").setLevel(numeric if numeric <= logging.DEBUG else max(numeric, logging.WARNING))
