@@ -8,6 +8,7 @@ imports nothing heavy; `run` imports the server and the engine."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.metadata
 import logging
 import socket
@@ -135,8 +136,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (pick another --port, or stop what "
-                         "listens there)") from None
+        advice = "pick another --port, or stop what listens there" if e.errno == errno.EADDRINUSE else "check --host"
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} ({advice})") from None
     sock.listen(2048)
     sock.set_inheritable(False)
     return sock
@@ -145,9 +146,8 @@ def bind(host: str, port: int) -> socket.socket:
 def _serve(ns: argparse.Namespace, args: EngineArgs, listener: socket.socket) -> int:
     started = time.monotonic()
     name = ns.served_model_name or ns.model or DEMO_MODEL_NAME
-    log.info("nanoserve %s: serving %s on http://%s:%d; importing the server and the engine",
-             importlib.metadata.version("nanoserve"), name,
-             ns.host, ns.port)
+    log.info("nanoserve %s: serving %s on %s; importing the server and the engine",
+             importlib.metadata.version("nanoserve"), name, api_url(ns.host, listener.getsockname()[1]))
     import functools
 
     import uvicorn

@@ -53,8 +53,9 @@ class EngineArgs:
                              f"got {self.quantization!r}")
         if self.kv not in ("paged", "contiguous"):
             raise ValueError(f"kv must be 'paged' or 'contiguous', got {self.kv!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        for name in ("threads", "num_kv_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if self.block_size < 1:
             raise ValueError("block_size must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
