@@ -33,7 +33,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     flags are moved to the environment's and their --config file's values (SettingsError)."""
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.splitlines()[0],
                                      formatter_class=DefaultsFormatter)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('nanoserve')}")
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     parser.add_argument("--log-level", type=str.upper, default="INFO", choices=LOG_LEVELS,
                         help="log records at this level and above, the libraries' (uvicorn, httpx) too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
@@ -49,6 +49,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=text)
     apply_settings(parser, None)
     return parser
+
+
+class _Version(argparse.Action):
+    """--version: the installed package's version, read (importlib.metadata) only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"{parser.prog} {importlib.metadata.version('nanoserve')}")
+        parser.exit()
 
 
 def _chosen_command(argv: list[str]) -> str | None:

@@ -31,7 +31,7 @@ from nanoserve.server.defaults import (
 from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE
 from nanoserve.settings import add_config_arg
 from nanoserve.supervisor.router import ROUTER_POLICIES
-from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S
+from nanoserve.tokenizer.prompt_limits import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from nanoserve.engine.args import EngineArgs

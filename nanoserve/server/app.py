@@ -62,7 +62,7 @@ from nanoserve.server.serving_messages import count_tokens, create_message
 from nanoserve.server.serving_responses import create_response, delete_response, get_response, list_input_items
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
-from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S, PromptLimits
+from nanoserve.tokenizer.prompt_limits import DEFAULT_TIMEOUT_S, PromptLimits
 
 
 @dataclass(frozen=True, slots=True)
