@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib.metadata
 import logging
 import socket
@@ -34,7 +35,10 @@ from nanoserve.supervisor.router import ROUTER_POLICIES
 from nanoserve.tokenizer.prompt_limits import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from nanoserve.engine.args import EngineArgs
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.runtime.engine_core import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -120,9 +124,6 @@ def preflight(ns: argparse.Namespace) -> EngineArgs:
     source_kind(args.model)
     if args.speculative_model is not None:
         source_kind(args.speculative_model)
-    if ns.engine_core == "thread" and args.tensor_parallel_size > 1:
-        raise ValueError("--engine-core thread runs one engine in the server's process; it does not go with "
-                         "--tensor-parallel-size > 1")
     return args
 
 
@@ -148,8 +149,6 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, listener: socket.socket) ->
     name = ns.served_model_name or ns.model or DEMO_MODEL_NAME
     log.info("nanoserve %s: serving %s on %s; importing the server and the engine",
              importlib.metadata.version("nanoserve"), name, api_url(ns.host, listener.getsockname()[1]))
-    import functools
-
     import uvicorn
 
     from nanoserve.runtime.builder import build_engine
@@ -164,7 +163,9 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, listener: socket.socket) ->
         log.info("%s", ready_line(api_url(ns.host, listener.getsockname()[1]), name, info,
                                   time.monotonic() - started))
 
-    engine: Any = args if ns.engine_core == "process" else functools.partial(build_engine, args)
+    engine: EngineArgs | Callable[[], LLMEngine] = args
+    if ns.engine_core == "thread":
+        engine = functools.partial(build_engine, args)
     config = ServerConfig(name, ns.api_key, ns.max_queued_requests, ns.tool_call_parser, ns.stream_interval,
                           reasoning_parser=ns.reasoning_parser, allowed_origins=tuple(ns.allowed_origins),
                           sse_keep_alive_s=ns.sse_keep_alive or None, prompt_workers=ns.prompt_workers,
