@@ -171,7 +171,11 @@ def test_serve_logs_its_stages_then_one_ready_line(demo_dir: Path) -> None:
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        rest = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, rest
+    # uvicorn's access log follows --log-level (INFO); its start and stop lines do not show
+    assert re.search(r" INFO MainProcess uvicorn\.access: .*\"GET /health HTTP/1\.1\" 200", rest), rest
+    assert "Shutting down" not in rest and "Finished server process" not in rest
     url = f"http://127.0.0.1:{port}"
     ready = lines[-1]
     assert re.search(rf"ready in [\d.]+ s: API {url}/v1, chat page {url}/, dashboard {url}/dashboard; model tiny, "
