@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t = kinds.add_parser("throughput", help="offline engine throughput over random requests",
                          description="N requests with random prompt token ids and random output lengths "
                                      "(greedy, ignore_eos) through one engine; prints requests/s and tokens/s. "
-                                     "--max-model-len defaults to the longest request the ranges allow.")
+                                     "--max-model-len defaults to the longest request the ranges allow, --threads "
+                                     "to 1 with --stand-in (its tensors are tiny).")
     add_model_arg(t)
     t.add_argument("--num-prompts", type=int, default=64, help="number of requests")
     t.add_argument("--input-len-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
@@ -44,8 +45,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--compare", choices=COMPARISONS,
                    help="sequential: the same requests one at a time; contiguous: paged vs contiguous KV "
                         "layout under the same pool (max_model_len 2048 unless given)")
-    t.add_argument("--threads", type=int,
-                   help="torch intra-op threads (default: 1 with --stand-in, whose tensors are tiny; else torch's)")
     t.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     _add_shape_args(t)
     _add_peer_args(t)
@@ -114,7 +113,6 @@ def _register_structured(kinds: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64], metavar="B")
     g.add_argument("--steps", type=int, default=16, help="decode steps timed per run")
     g.add_argument("--rounds", type=int, default=3, help="alternations of the two runs per batch size")
-    g.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     _add_shape_args(g)
     add_engine_args(g)
     g.set_defaults(func=_run_structured)

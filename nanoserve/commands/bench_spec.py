@@ -27,7 +27,6 @@ def register_spec(kinds: argparse._SubParsersAction) -> None:
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=3,
                    help="rounds of interleaved plain and speculative runs per batch size; the medians are reported")
-    s.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     s.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     add_engine_args(s)
     s.set_defaults(func=run_spec)

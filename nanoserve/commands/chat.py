@@ -2,24 +2,26 @@
 
 Talks HTTP (OpenAI chat completions with SSE) to `--url`, or to a server it starts in-process on
 a free loopback port for MODEL. The conversation is kept; Ctrl-C during a reply stops it (closing
-the stream, so the server aborts the request) and keeps what was shown; Ctrl-D quits.
+the stream, so the server aborts the request) and keeps what was shown; Ctrl-D quits. httpx's
+per-request log lines stay out of the transcript (shown at --log-level DEBUG only). Its parser
+imports nothing heavy; `run` imports the engine and the server when it serves MODEL itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
-
-import httpx
+from typing import TYPE_CHECKING, Any, TextIO
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.runtime.builder import build_engine
-from nanoserve.server import DEMO_MODEL_NAME, ServerConfig, build_app
-from nanoserve.server.http_server import ServerThread
+from nanoserve.server.defaults import DEMO_MODEL_NAME
+from nanoserve.settings import add_config_arg
+
+if TYPE_CHECKING:
+    import httpx
 
 HELP = "Ctrl-D or /exit quits, /clear starts over, Ctrl-C stops a reply."
 
@@ -27,17 +29,22 @@ HELP = "Ctrl-D or /exit quits, /clear starts over, Ctrl-C stops a reply."
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("chat", help="chat with a model in the terminal")
     add_model_arg(p)
+    add_config_arg(p)
     p.add_argument("--url", help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000 (MODEL, if "
                    "given, is then the model name to ask for); default: serve MODEL in-process")
-    p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"), help="bearer key for --url")
-    p.add_argument("--system", help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--api-key", help="bearer key for --url (default: none)")
+    p.add_argument("--system", help="system prompt (default: none)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace) -> int:
+    import httpx
+
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # no "HTTP Request: ..." lines in the chat
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     if ns.url:
         with _client(ns.url, ns.api_key) as client:
             try:
@@ -46,6 +53,10 @@ def run(ns: argparse.Namespace) -> int:
                 print(f"nanoserve: error: cannot use the server at {ns.url}: {e}", file=sys.stderr)
                 return 1
             return chat_loop(client, model, ns)
+    from nanoserve.runtime.builder import build_engine
+    from nanoserve.server import ServerConfig, build_app
+    from nanoserve.server.http_server import ServerThread
+
     name = ns.model or DEMO_MODEL_NAME
     app = build_app(build_engine(engine_args_from(ns)), ServerConfig(served_model_name=name))
     with ServerThread(app) as server, _client(server.url, None) as client:
@@ -54,6 +65,8 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _client(url: str, api_key: str | None) -> httpx.Client:
+    import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(None, connect=10.0))
 
@@ -96,6 +109,8 @@ def chat_loop(client: httpx.Client, model: str, ns: argparse.Namespace, read: Ca
 def stream_reply(client: httpx.Client, body: dict[str, Any], out: TextIO) -> str | None:
     """Streams one reply to `out`; returns its text (what was shown, if interrupted), or None
     if the server refused the request or could not be reached."""
+    import httpx
+
     parts: list[str] = []
     try:
         with client.stream("POST", "/v1/chat/completions", json=body) as response:

@@ -1,4 +1,5 @@
-"""CLI flags shared by subcommands: the model and the engine arguments (defaults from EngineArgs)."""
+"""CLI flags shared by subcommands: the model and the engine arguments (defaults from EngineArgs).
+Imports nothing heavy (no torch): the parsers are built before anything is loaded."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 
 from nanoserve.attention import BACKEND_NAMES
 from nanoserve.engine.args import EngineArgs
-from nanoserve.model.quant.quant_config import QUANTIZATION_METHODS
+from nanoserve.model.quant.methods import QUANTIZATION_METHODS
 
 _HELP = {
     "dtype": "auto (bf16 on GPUs and CPUs with native bf16, else fp32), bfloat16 or float32; float16 only on CUDA",
@@ -20,15 +21,19 @@ _HELP = {
                     "quantizes its activations; with --dtype float32 the products are transformers' on the same "
                     "dequantized weights). CPU only: on CUDA weights are dequantized to --dtype",
     "max_model_len": "context length limit (default: the model's)",
+    "threads": "compute threads of the engine: torch's intra-op threads and the C++ kernels', set in the engine's "
+               "process (default: torch's, one per core this process may use)",
     "max_num_seqs": "most sequences running at once",
     "max_num_batched_tokens": "token budget of one step (chunked prefill splits longer prompts)",
     "block_size": "tokens per KV block",
-    "kv_cache_memory": "bytes for the KV pool",
+    "kv_cache_memory": "bytes for the KV pool (default: 2 GiB on the CPU, capped by what the model can use; on "
+                       "CUDA --gpu-memory-utilization decides)",
     "num_kv_blocks": "KV pool size in blocks (overrides --kv-cache-memory)",
     "kv": "KV layout: paged or contiguous",
+    "enable_prefix_caching": "share the KV blocks of common prompt prefixes between requests (radix tree)",
     "seed": "global random seed",
     "scheduling_policy": "fcfs or priority",
-    "speculative_method": "ngram (prompt lookup) or draft (with --speculative-model)",
+    "speculative_method": "ngram (prompt lookup) or draft (with --speculative-model) (default: none, no speculation)",
     "speculative_model": "a draft model sharing the tokenizer (folder or .gguf); implies --speculative-method draft",
     "num_speculative_tokens": "drafts verified per step and sequence",
     "speculative_min_confidence": "a draft model stops drafting for a sequence after a draft it gave less than this "
@@ -56,7 +61,8 @@ _HELP = {
 # Fields whose default is None, by the type a given value has.
 _OPTIONAL_TYPES: dict[str, type] = {"max_model_len": int, "kv_cache_memory": int, "num_kv_blocks": int,
                                     "speculative_method": str, "speculative_model": str,
-                                    "speculative_disable_by_batch_size": int, "chat_template": str}
+                                    "speculative_disable_by_batch_size": int, "chat_template": str,
+                                    "threads": int}
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -73,13 +79,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool" or isinstance(f.default, bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name])
             continue
         kind = _OPTIONAL_TYPES.get(f.name, type(f.default))
         choices = {"kv": ["paged", "contiguous"], "scheduling_policy": ["fcfs", "priority"],
                    "speculative_method": ["ngram", "draft"], "attention_backend": list(BACKEND_NAMES),
                    "quantization": list(QUANTIZATION_METHODS)}.get(f.name)
-        group.add_argument(flag, type=kind, default=f.default, choices=choices, help=_HELP.get(f.name))
+        group.add_argument(flag, type=kind, default=f.default, choices=choices, help=_HELP[f.name])
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

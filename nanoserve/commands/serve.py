@@ -1,51 +1,62 @@
-"""`nanoserve serve`: the OpenAI-compatible HTTP server."""
+"""`nanoserve serve`: the OpenAI-compatible HTTP server.
+
+Startup checks what it can before it loads anything (the flags agree, the model names something
+that exists and is readable, the port is free: the listening socket is bound first and handed to
+uvicorn), then logs one line per stage and one "ready" line once /health answers 200. Its parser
+imports nothing heavy; `run` imports the server and the engine."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
+import importlib.metadata
 import logging
-import os
+import socket
 import sys
-from collections.abc import Callable
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from nanoserve.commands.common import add_engine_args, add_model_arg, engine_args_from
-from nanoserve.engine.args import EngineArgs
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.parallel.worker import run_node_workers
-from nanoserve.runtime.async_engine import DEFAULT_MAX_RESTARTS
-from nanoserve.runtime.builder import build_engine
-from nanoserve.runtime.engine_core import EngineState
-from nanoserve.server import DEFAULT_MAX_QUEUED_REQUESTS, DEMO_MODEL_NAME, ServerConfig, build_app
-from nanoserve.server.app import DEFAULT_PROMPT_WORKERS
-from nanoserve.server.body_limit import DEFAULT_MAX_BODY_BYTES
+from nanoserve.model.checkpoint.sources import source_kind
+from nanoserve.runtime.defaults import DEFAULT_MAX_RESTARTS
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSER_NAMES, REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import PARSER_NAMES, TOOL_PARSERS
-from nanoserve.server.connection_limits import (
+from nanoserve.server.defaults import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
-    ConnectionLimits,
-    LimitedConfig,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_PROMPT_WORKERS,
+    DEMO_MODEL_NAME,
 )
-from nanoserve.server.http_server import DrainingServer, serve_until_signal
-from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE
-from nanoserve.supervisor.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
-from nanoserve.supervisor.router import ROUTER_POLICIES, require_router
-from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S
+from nanoserve.settings import add_config_arg
+from nanoserve.supervisor.router import ROUTER_POLICIES
+from nanoserve.tokenizer.prompt_limits import DEFAULT_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from nanoserve.engine.args import EngineArgs
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.runtime.engine_core import EngineInfo
 
 log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL over an OpenAI-compatible HTTP API (also Anthropic Messages "
+                                          "and the Responses API), with a chat page at / and a dashboard at "
+                                          "/dashboard.")
     add_model_arg(p)
+    add_config_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOSERVE_API_KEY, else none)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port of the HTTP API")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: none)")
     p.add_argument("--served-model-name", help="the model name clients send (default: MODEL, or "
                    f"{DEMO_MODEL_NAME} for the demo model)")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
@@ -81,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="a request's template rendering or tokenizing is stopped after this long, a 400 "
                         f"(default: {DEFAULT_TIMEOUT_S:g})")
-    p.add_argument("--ignore-unknown-fields", action="store_true",
+    p.add_argument("--ignore-unknown-fields", action="store_true", default=False,
                    help="log and drop request fields that no OpenAI, vLLM or SGLang API defines (default: a 400 "
                         "naming them); fields those APIs define that nanoserve cannot honour stay a 400")
     p.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20, metavar="MB",
@@ -108,15 +119,63 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    args = preflight(ns)
     if ns.data_parallel_size != 1:
         return _run_data_parallel(ns)
-    args = engine_args_from(ns)
     if args.node_rank > 0:  # a further node of a tensor-parallel engine: its worker ranks only
+        from nanoserve.parallel.worker import run_node_workers
+
         return run_node_workers(args)
+    listener = bind(ns.host, ns.port)
+    return _serve(ns, args, listener)
+
+
+def preflight(ns: argparse.Namespace) -> EngineArgs:
+    """What can be checked before anything loads: the engine's flags agree (EngineArgs validates
+    them), the model and the draft model name something that exists and is readable. Raises
+    ValueError or ModelLoadError with one line saying what to fix."""
+    args = engine_args_from(ns)
+    source_kind(args.model)
+    if args.speculative_model is not None:
+        source_kind(args.speculative_model)
+    return args
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now (as uvicorn binds, SO_REUSEADDR) so that a port in
+    use is reported before the model loads; ValueError naming the port when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        advice = "pick another --port, or stop what listens there" if e.errno == errno.EADDRINUSE else "check --host"
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} ({advice})") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _serve(ns: argparse.Namespace, args: EngineArgs, listener: socket.socket) -> int:
+    started = time.monotonic()
     name = ns.served_model_name or ns.model or DEMO_MODEL_NAME
+    log.info("nanoserve %s: serving %s on %s; importing the server and the engine",
+             importlib.metadata.version("nanoserve"), name, api_url(ns.host, listener.getsockname()[1]))
+
+    from nanoserve.runtime.builder import build_engine
+    from nanoserve.runtime.engine_core import EngineState
+    from nanoserve.server import ServerConfig, build_app
+    from nanoserve.server.connection_limits import ConnectionLimits, LimitedConfig
+    from nanoserve.server.http_server import DrainingServer, serve_until_signal
 
     def shut_down() -> None:
         server.should_exit = True  # nothing to serve (see the check below)
+
+    def on_ready(info: EngineInfo) -> None:
+        log.info("%s", ready_line(api_url(ns.host, listener.getsockname()[1]), name, info,
+                                  time.monotonic() - started))
 
     engine: EngineArgs | Callable[[], LLMEngine] = args
     if ns.engine_core == "thread":
@@ -127,20 +186,36 @@ def run(ns: argparse.Namespace) -> int:
                           prompt_timeout_s=ns.prompt_timeout, ignore_unknown_fields=ns.ignore_unknown_fields,
                           engine_restarts=ns.engine_restarts, max_body_bytes=int(ns.max_request_body_mb * 2**20),
                           responses_store_size=ns.responses_store_size)
-    app = build_app(engine, config, on_fatal=shut_down)
+    app = build_app(engine, config, on_fatal=shut_down, on_ready=on_ready)
     limits = ConnectionLimits(ns.header_timeout, ns.timeout_keep_alive, ns.max_connections)
-    server = DrainingServer(LimitedConfig(app, limits, host=ns.host, port=ns.port,
-                                          timeout_graceful_shutdown=ns.shutdown_timeout,
-                                          log_level=logging.getLevelName(logging.getLogger().level).lower()))
-    log.info("serving %s on http://%s:%d (loading the model; /health answers 503 until it is ready)",
-             name, ns.host, ns.port)
-    serve_until_signal(server)
+    server = DrainingServer(LimitedConfig(app, limits, timeout_graceful_shutdown=ns.shutdown_timeout,
+                                          log_config=None, log_level=None))
+    log.info("loading the model in the engine's %s; /health answers 503 until it is ready", ns.engine_core)
+    serve_until_signal(server, sockets=[listener])
     front = app.state.engine
     if front.state is EngineState.DEAD:
         what = "loading the model failed" if front.info is None else "the engine died past its restarts"
         print(f"nanoserve: error: {what}: {front.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def api_url(host: str, port: int) -> str:
+    """The server's base URL as a client on this machine would write it."""
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
+    return f"http://{shown}:{port}"
+
+
+def ready_line(url: str, name: str, info: EngineInfo, seconds: float) -> str:
+    """The one line that says the server is ready: where to reach it and what it serves."""
+    limits = info.limits
+    what = ""
+    if (s := info.summary) is not None:
+        what = (f"dtype {s.dtype}, weights {', '.join(s.weight_formats) or 'dense'}, "
+                f"{s.threads} thread{'s' if s.threads != 1 else ''}, ")
+    return (f"ready in {seconds:.1f} s: API {url}/v1, chat page {url}/, dashboard {url}/dashboard; model {name}, "
+            f"{what}KV capacity {limits.num_blocks * limits.block_size} tokens ({limits.num_blocks} blocks of "
+            f"{limits.block_size})")
 
 
 # Flags of the data-parallel supervisor itself, never passed on to a replica (each gets its own host and port).
@@ -154,13 +229,16 @@ def _run_data_parallel(ns: argparse.Namespace) -> int:
         raise ValueError("--data-parallel-size with --tensor-parallel-size or --nnodes is not supported: the "
                          "replicas would share one rendezvous port; run tensor-parallel replicas one by one "
                          "and start the router yourself (docs/scale_out.md)")
+    from nanoserve.supervisor.data_parallel import DataParallelPlan, available_cpus, serve_data_parallel
+    from nanoserve.supervisor.router import require_router
+
     plan = DataParallelPlan.for_cpus(ns.host, ns.port, ns.data_parallel_size, ns.router_policy, available_cpus())
     require_router()
     flags = replica_argv(ns.serve_parser, ns)
 
     def replica_command(host: str, port: int) -> list[str]:
         return [sys.executable, "-m", "nanoserve.cli", "--log-level", ns.log_level, "serve", *flags,
-                "--host", host, "--port", str(port)]
+                "--host", host, "--port", str(port), "--data-parallel-size", "1"]
 
     return serve_data_parallel(plan, replica_command, ns.shutdown_timeout, ns.log_level, ns.api_key)
 

@@ -6,8 +6,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from nanoserve.kv.manager import blocks_needed
-from nanoserve.model.quant.quant_config import QUANTIZATION_METHODS
+from nanoserve.model.quant.methods import QUANTIZATION_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +46,7 @@ class EngineArgs:
     nnodes: int = 1  # machines the ranks span (MASTER_ADDR / MASTER_PORT name rank 0's)
     node_rank: int = 0  # this machine's index; above 0 it runs only its worker ranks
     distributed_timeout: float = 60.0  # seconds a tensor-parallel collective may wait before it fails
+    threads: int | None = None  # compute threads of the engine (torch's and the C++ kernels'); None: torch's
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATION_METHODS:
@@ -54,6 +54,9 @@ class EngineArgs:
                              f"got {self.quantization!r}")
         if self.kv not in ("paged", "contiguous"):
             raise ValueError(f"kv must be 'paged' or 'contiguous', got {self.kv!r}")
+        for name in ("threads", "num_kv_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if self.block_size < 1:
             raise ValueError("block_size must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -123,5 +126,7 @@ class EngineArgs:
         blocks = budget // bytes_per_block
         if blocks < 1:
             raise ValueError(f"{what} ({budget} bytes) is smaller than one KV block ({bytes_per_block} bytes)")
+        from nanoserve.kv.manager import blocks_needed  # here: the manager imports numpy, the CLI's parser need not
+
         need = self.max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
         return blocks if self.kv_cache_memory is not None else min(need, blocks)

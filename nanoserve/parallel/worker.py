@@ -46,7 +46,7 @@ def run_worker(args: EngineArgs, rendezvous: Rendezvous, rank: int) -> None:
     per_node = args.tensor_parallel_size // args.nnodes
     device = rank_device(args.device, rank, per_node)
     if device.type == "cpu":  # the node's cores are shared by its ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // per_node))
     else:
         torch.cuda.set_device(device)
     loaded = load_model(args.model, dtype=args.dtype, device=device)

@@ -48,6 +48,7 @@ from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import EngineSnapshot, EngineStats, SequenceDelta
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.runtime.defaults import DEFAULT_MAX_RESTARTS
 from nanoserve.runtime.deltas import coalesce
 from nanoserve.runtime.engine_core import (
     AbortRequest,
@@ -68,7 +69,6 @@ from nanoserve.runtime.metrics import LatencyWindow, Metrics
 log = logging.getLogger(__name__)
 
 PROCESS_STOP_TIMEOUT_S = 30.0
-DEFAULT_MAX_RESTARTS = 3
 RESTART_WINDOW_S = 600.0  # restarts counted against `max_restarts`: those this recent
 RESTART_BACKOFF_S = 1.0  # the first restart's delay, doubled for each further one in the window
 MAX_RESTART_BACKOFF_S = 30.0
@@ -96,14 +96,17 @@ class AsyncEngine:
 
     def __init__(self, loader: Callable[[], LLMEngine] | EngineArgs, *, max_queued_requests: int = 1024,
                  metrics: Metrics | None = None, stream_interval: int = 1, max_restarts: int = DEFAULT_MAX_RESTARTS,
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 on_fatal: Callable[[], None] | None = None,
+                 on_ready: Callable[[EngineInfo], None] | None = None) -> None:
         """`loader`: run on a thread of this process, or `EngineArgs` to build the engine from in
         an engine-core process. `stream_interval`: a stream's consumer gets its outputs every
         this many steps (merged per sequence), and always at a request's first output and when
         a sequence finishes; more than 1 trades inter-token latency for fewer, larger chunks.
         `max_restarts`: restarts of a dead core process allowed within `RESTART_WINDOW_S`.
         `on_fatal` is called on the event loop when the engine will not serve again: the model
-        never loaded, or the core died once more than its restarts allow."""
+        never loaded, or the core died once more than its restarts allow; `on_ready` on the event
+        loop when the engine starts serving (state RUNNING: /health answers 200), after each
+        restart too."""
         if max_queued_requests < 1:
             raise ValueError("max_queued_requests must be at least 1")
         if stream_interval < 1:
@@ -125,6 +128,7 @@ class AsyncEngine:
         self._stopped: asyncio.Future[None] | None = None  # the one stop's join
         self._loader = loader
         self._on_fatal = on_fatal
+        self._on_ready = on_ready
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # engine request id -> its API request's stream
         # Sequences of each AddRequest the core has not taken yet, in the order sent, and their sum.
@@ -220,6 +224,8 @@ class AsyncEngine:
             self.info = message.info
             self._set_snapshot(message.snapshot)
             self.state = EngineState.RUNNING
+            if self._on_ready is not None:
+                self._on_ready(message.info)
         else:
             self._on_exit(message)
 

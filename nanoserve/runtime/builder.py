@@ -43,8 +43,11 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     draft model (if any) runs whole on rank 0."""
     if args.tensor_parallel_size > 1 and loaded is not None:
         raise ValueError("with tensor_parallel_size > 1 every rank loads args.model itself; pass no loaded model")
+    if args.threads is not None:  # the C++ kernels take torch's thread count on every call
+        torch.set_num_threads(args.threads)
     launch = TensorParallelLaunch(args) if args.tensor_parallel_size > 1 else None
     if loaded is None:
+        log.info("loading %s", args.model or "the demo model")
         loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     if args.chat_template is not None:
         loaded.tokenizer.override_chat_template(load_chat_template(args.chat_template))

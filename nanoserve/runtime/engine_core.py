@@ -32,12 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+import torch
+
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import RunnerFailure
 from nanoserve.engine.outputs import EngineLimits, EngineSnapshot, EngineStats, SequenceDelta, StepOutput
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.log import configure_logging
+from nanoserve.model.quant.weight_formats import LinearWeight
 from nanoserve.runtime.builder import build_engine
 from nanoserve.tokenizer import Tokenizer
 
@@ -54,14 +57,33 @@ class EngineState(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class EngineSummary:
+    """What the engine runs, for the server's "ready" line: the model's dtype, the storage
+    formats of its matrices ("dense", or GGUF block formats such as "q4_k"), the compute threads of
+    the engine's process."""
+
+    dtype: str
+    weight_formats: tuple[str, ...]
+    threads: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineSummary:
+        model = engine.model
+        formats = {m.format for m in model.modules() if isinstance(m, LinearWeight) and m.format != "stacked"} \
+            if isinstance(model, torch.nn.Module) else set()
+        return cls(str(model.dtype).removeprefix("torch."), tuple(sorted(formats)), torch.get_num_threads())
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What a front end needs of a loaded engine to take requests: its tokenizer (None: token
-    ids only), the limits a request is validated against, and the sampling defaults it fills
-    unset fields with (the model's generation config)."""
+    ids only), the limits a request is validated against, the sampling defaults it fills unset
+    fields with (the model's generation config), and what it runs (`summary`)."""
 
     tokenizer: Tokenizer | None
     limits: EngineLimits
     sampling_defaults: dict[str, float | int] = dataclasses.field(default_factory=dict)
+    summary: EngineSummary | None = None
 
 
 @dataclass(slots=True)
@@ -228,12 +250,13 @@ def run_core(loader: Callable[[], LLMEngine], receive: Receive, send: Send) -> N
     with an `Exited` message, and no request is left in the engine."""
     try:
         engine = loader()
-    except BaseException as e:
-        log.exception("loading the model failed")
+    except BaseException as e:  # the front end reports it in one line; the traceback at DEBUG
+        log.debug("loading the model failed", exc_info=True)
         send(Exited(EngineState.DEAD, str(e)))
         return
     core = EngineCore(engine)
-    send(Ready(EngineInfo(engine.tokenizer, engine.limits, engine.sampling_defaults), engine.snapshot()))
+    info = EngineInfo(engine.tokenizer, engine.limits, engine.sampling_defaults, EngineSummary.of(engine))
+    send(Ready(info, engine.snapshot()))
     try:
         core.run(receive, send)
     except BaseException as e:

@@ -27,12 +27,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.runtime.async_engine import DEFAULT_MAX_RESTARTS, AsyncEngine
-from nanoserve.runtime.engine_core import EngineState
+from nanoserve.runtime.async_engine import AsyncEngine
+from nanoserve.runtime.defaults import DEFAULT_MAX_RESTARTS
+from nanoserve.runtime.engine_core import EngineInfo, EngineState
 from nanoserve.runtime.metrics import Metrics
-from nanoserve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from nanoserve.server.body_limit import BodyLimit
 from nanoserve.server.chat.reasoning_parsers import REASONING_PARSERS
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS
+from nanoserve.server.defaults import (
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_PROMPT_WORKERS,
+    DEMO_MODEL_NAME,
+)
 from nanoserve.server.openapi import document
 from nanoserve.server.protocol.anthropic import CountTokensRequest, MessagesRequest
 from nanoserve.server.protocol.embeddings import EmbeddingRequest
@@ -44,7 +52,6 @@ from nanoserve.server.protocol.openai import (
     TokenizeRequest,
 )
 from nanoserve.server.protocol.responses import ResponsesRequest
-from nanoserve.server.protocol.sse import DEFAULT_KEEP_ALIVE_S
 from nanoserve.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from nanoserve.server.serving import PromptGate, Serving, now_s
 from nanoserve.server.serving_chat import create_chat_completion
@@ -54,11 +61,7 @@ from nanoserve.server.serving_messages import count_tokens, create_message
 from nanoserve.server.serving_responses import create_response, delete_response, get_response, list_input_items
 from nanoserve.server.web.dashboard import register_dashboard
 from nanoserve.server.web.pages import register_pages
-from nanoserve.tokenizer.prompt_pool import DEFAULT_TIMEOUT_S, PromptLimits
-
-DEMO_MODEL_NAME = "nanoserve-demo"
-DEFAULT_MAX_QUEUED_REQUESTS = 1024
-DEFAULT_PROMPT_WORKERS = 2
+from nanoserve.tokenizer.prompt_limits import DEFAULT_TIMEOUT_S, PromptLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +101,14 @@ class ServerConfig:
 
 
 def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: ServerConfig | None = None,
-              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+              on_fatal: Callable[[], None] | None = None,
+              on_ready: Callable[[EngineInfo], None] | None = None) -> FastAPI:
     """An app serving `engine`: a built engine or a loader, served from a thread of this process,
     or `EngineArgs`, built and served in an engine-core process. A loader or `EngineArgs` load
     at startup (/health answers 503 until the model is ready); a dead engine-core process is
     restarted up to `config.engine_restarts` times (see AsyncEngine), and `on_fatal` is called when
-    the engine will not serve again (it never loaded, or died past its restarts)."""
+    the engine will not serve again (it never loaded, or died past its restarts); `on_ready` each
+    time the engine starts serving (once loaded, and after each restart)."""
     config = config or ServerConfig()
     if isinstance(engine, LLMEngine):
         loader: Callable[[], LLMEngine] | EngineArgs = _ready(engine)
@@ -115,7 +120,7 @@ def build_app(engine: LLMEngine | Callable[[], LLMEngine] | EngineArgs, config: 
     metrics = Metrics(name)
     async_engine = AsyncEngine(loader, max_queued_requests=config.max_queued_requests, metrics=metrics,
                                stream_interval=config.stream_interval, max_restarts=config.engine_restarts,
-                               on_fatal=on_fatal)
+                               on_fatal=on_fatal, on_ready=on_ready)
     prompts = PromptGate(config.prompt_workers, PromptLimits(timeout_s=config.prompt_timeout_s))
     serving = Serving(async_engine, name, config.tool_call_parser, config.reasoning_parser, prompts=prompts,
                       keep_alive_s=config.sse_keep_alive_s, ignore_unknown_fields=config.ignore_unknown_fields)

@@ -8,8 +8,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nanoserve.server.protocol.errors import APIError
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-
 
 class BodyLimit:
     """ASGI middleware holding every HTTP request body to `max_bytes`."""

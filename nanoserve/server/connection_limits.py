@@ -32,13 +32,11 @@ from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from nanoserve.server.defaults import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from nanoserve.server.protocol.errors import APIError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HEADER_TIMEOUT_S = 10.0
-DEFAULT_IDLE_TIMEOUT_S = 5
-DEFAULT_MAX_CONNECTIONS = 1024
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 

@@ -46,16 +46,17 @@ class DrainingServer(uvicorn.Server):
                 cut.cancel()
 
 
-def serve_until_signal(server: uvicorn.Server) -> None:
+def serve_until_signal(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
     """Serves until SIGTERM or SIGINT, then stops accepting connections, gives in-flight requests
     the config's `timeout_graceful_shutdown` seconds to finish (a `DrainingServer` ends the streams
     still open just before with an error event), cancels the rest, stops the engine and returns.
     uvicorn re-raises the signal it caught once it has shut down; the no-op handlers installed
-    beneath its own turn that into a plain return (exit status 0)."""
+    beneath its own turn that into a plain return (exit status 0). `sockets`: listening sockets
+    bound beforehand (else uvicorn binds the config's host and port)."""
     handled = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, _ignore) for sig in handled}
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -25,31 +25,22 @@ import resource
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanoserve.tokenizer.tokenizer import Tokenizer
+if TYPE_CHECKING:
+    from nanoserve.tokenizer.tokenizer import Tokenizer
+
+from nanoserve.tokenizer.prompt_limits import PromptLimits
 
 log = logging.getLogger(__name__)
 
 _OPERATIONS = frozenset({"encode", "encode_chat"})  # the Tokenizer methods a pool runs
-DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_MEMORY_BYTES = 4 << 30  # a worker's address space: its interpreter, tokenizer and one request
 
 
 class PromptWorkError(ValueError):
     """The work passed its deadline or its worker died (its memory limit, a crash); the message
     says which, for the client."""
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLimits:
-    """A pool's bounds: seconds a call may take, and the address space of a worker process (None:
-    unlimited)."""
-
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    memory_bytes: int | None = DEFAULT_MEMORY_BYTES
 
 
 class _Worker:

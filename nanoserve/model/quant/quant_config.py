@@ -31,14 +31,6 @@ from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, S
 from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight
 
 DENSE = "dense"
-# `--quantization` values: the block format a dense checkpoint's layer matrices are quantized to
-# at load (None: kept as the checkpoint holds them). "dense" is the reference mode: every matrix
-# dense in the model's dtype, a GGUF file's blocks dequantized at load, so no product quantizes its
-# activations (the loader applies it: `nanoserve.model.checkpoint.loader.load_model`). No int4
-# (q4_0): its one-row product is slower than q8_0's and no faster at 16 rows (half the bytes, but
-# more work per value to unpack; the figures are in docs/benchmarks-history.md, "Figures once
-# quoted in code and in docs/architecture.md").
-QUANTIZATION_METHODS: Mapping[str, str | None] = MappingProxyType({"none": None, "int8": "q8_0", DENSE: None})
 # The matrices of a decoder layer (`--quantization` quantizes these; norms and biases stay dense).
 LAYER_MATRICES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 

@@ -18,7 +18,6 @@ from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
 KEEP_ALIVE = b": keep-alive\n\n"
-DEFAULT_KEEP_ALIVE_S = 15.0
 
 
 def event(payload: Any) -> bytes:
