@@ -324,6 +324,12 @@ def _family_fields(meta: dict[str, Any], arch: GGUFArch, layers: int) -> dict[st
     return fields
 
 
+def _decimals(t: ReaderTensor) -> list[float]:
+    """An F32 vector as the shortest decimals that round to its values (as `_metadata` reads float32
+    scalars): the numbers the converter was given."""
+    return [float(str(v)) for v in _to_torch(t, torch.float32).numpy()]
+
+
 def _rope_scaling(
     meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor], head_dim: int, theta: float
 ) -> dict[str, Any]:
@@ -332,8 +338,8 @@ def _rope_scaling(
     LongRoPE as ROPE_FACTORS_LONG / _SHORT with the original context and attention factor."""
     if ROPE_FACTORS_LONG in tensors and ROPE_FACTORS_SHORT in tensors:
         spec = {"rope_type": "longrope",
-                "long_factor": _to_torch(tensors[ROPE_FACTORS_LONG], torch.float32).tolist(),
-                "short_factor": _to_torch(tensors[ROPE_FACTORS_SHORT], torch.float32).tolist(),
+                "long_factor": _decimals(tensors[ROPE_FACTORS_LONG]),
+                "short_factor": _decimals(tensors[ROPE_FACTORS_SHORT]),
                 "original_max_position_embeddings": _require(meta, f"{arch}.rope.scaling.original_context_length")}
         if f"{arch}.rope.scaling.attn_factor" in meta:
             spec["attention_factor"] = meta[f"{arch}.rope.scaling.attn_factor"]
