@@ -88,30 +88,36 @@ class Reference:
                                        do_sample=False, pad_token_id=0)[0, len(s):].tolist() for s in seqs]
 
 
+def _write_checkpoint(name: str, path: Path, demo_dir: Path, **extra: Any) -> int:
+    """Writes configuration `name` (with `extra` overrides) as transformers saves it, with the demo
+    tokenizer, to `path`; returns the vocabulary size."""
+    import transformers
+
+    cls, overrides = CONFIGS[name]
+    tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
+    fields: dict[str, Any] = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
+        bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=0)
+    cfg = getattr(transformers, f"{cls}Config")(**{**fields, **overrides, **extra})
+    torch.manual_seed(1234)
+    getattr(transformers, f"{cls}ForCausalLM")(cfg).eval().save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_dir / f, path / f)
+    return len(tok)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path):
     """name -> Reference, each built once per module on first use."""
-    import transformers
-
     built: dict[str, Reference] = {}
 
     def get(name: str) -> Reference:
         if name not in built:
-            cls, overrides = CONFIGS[name]
-            tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
-            fields: dict[str, Any] = dict(
-                vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
-                bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=0)
-            cfg = getattr(transformers, f"{cls}Config")(**{**fields, **overrides})
-            torch.manual_seed(1234)
-            model = getattr(transformers, f"{cls}ForCausalLM")(cfg).eval()
             path = tmp_path_factory.mktemp(f"ckpt-{name}")
-            model.save_pretrained(path)
-            for f in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(demo_dir / f, path / f)
+            vocab = _write_checkpoint(name, path, demo_dir)
             rng = random.Random(len(built))
-            built[name] = Reference(path, [[rng.randrange(len(tok)) for _ in range(n)] for n in PROMPT_LENGTHS])
+            built[name] = Reference(path, [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS])
         return built[name]
 
     return get
@@ -257,3 +263,62 @@ def test_partial_rotary_refused_where_the_family_has_none(make_checkpoint, tmp_p
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5 for llama"):
         load_model(tmp_path)
+
+
+# Head size 32 (hidden 128 over 4 heads): one the C++ attention kernel is built for.
+NATIVE = {"phi3-su-short": dict(hidden_size=128, rope_scaling={
+              "type": "su", "original_max_position_embeddings": 512, "attention_factor": 1.2,
+              "short_factor": _factors(16, 1.0, 0.3), "long_factor": _factors(16, 4.0, 1.0)}),
+          "smollm3": dict(hidden_size=128),
+          "phi4-mini-longrope": dict(hidden_size=128, rope_scaling={
+              "type": "longrope", "original_max_position_embeddings": ORIGINAL_CONTEXT,
+              "short_factor": _factors(12, 1.0, 0.1), "long_factor": _factors(12, 2.0, 0.7)})}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", NATIVE)
+def test_native_decoder_gives_the_python_forward_s_bits(demo_dir, tmp_path, name, dtype):
+    """The C++ decoder runs Phi-3 (LongRoPE's scaled tables) and SmolLM3 (its rotary-free layers
+    skipped) to the hidden states and K/V of the Python forward on the same C++ steps, bit for bit;
+    it declines partial rotary (Phi-4-mini) and Granite's multipliers."""
+    from nanoserve.attention.cpu_paged import CpuPagedAttention, load_paged_attention
+    from nanoserve.model.native_decoder import NativeDecoder
+    from nanoserve.native import load_cpu_kernels
+
+    from support.forward import paged_batch
+
+    lib, kernel = load_cpu_kernels(), load_paged_attention()
+    assert lib is not None and kernel is not None
+    ops, backend = CpuLayerOps(lib), CpuPagedAttention(kernel)
+    _write_checkpoint(name, tmp_path, demo_dir, **NATIVE[name])
+    loaded = load_model(tmp_path, dtype=dtype)
+    loaded.model.ops = ops
+    native = NativeDecoder.build(loaded.model, backend)
+    if name == "phi4-mini-longrope":
+        assert native is None
+        return
+    assert native is not None
+    cfg = loaded.config
+    specs = [(1, 1), (40, 1), (45, 5)]  # decodes and a short chunk, past the original context
+    num_blocks = sum(-(-s // 8) for s, _ in specs) + 2
+    meta = paged_batch(specs, 8, num_blocks, seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(cfg.vocab_size, (meta.query_start_loc_cpu[-1],), generator=g)
+    positions = torch.cat([torch.arange(s - q, s) for s, q in specs])
+    kv = torch.randn(cfg.num_hidden_layers, 2, num_blocks, 8, cfg.num_key_value_heads, cfg.head_dim,
+                     generator=g).to(dtype)
+    kv_native = kv.clone()
+    assert torch.equal(native(ids, positions, kv_native, meta), loaded.model(ids, positions, kv, meta, backend))
+    assert torch.equal(kv_native, kv)
+
+
+def test_native_decoder_declines_granite(reference):
+    from nanoserve.attention.cpu_paged import CpuPagedAttention, load_paged_attention
+    from nanoserve.model.native_decoder import NativeDecoder
+
+    kernel = load_paged_attention()
+    loaded = reference("granite").loaded
+    assert not loaded.config.native_decoder
+    if kernel is not None:
+        assert NativeDecoder.build(loaded.model, CpuPagedAttention(kernel)) is None

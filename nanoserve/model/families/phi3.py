@@ -6,9 +6,9 @@ cos and sin multiplied by an attention factor. A `sliding_window` in config.json
 llama.cpp's `phi3` keeps the fused tensors (gate/up as `ffn_up`), the rotary dimensions, the window
 and the two factor lists as tensors of their own.
 
-Python path only: the C++ decoder (`decoder.cpp`) rotates whole heads with unscaled tables; partial
-rotary and LongRoPE's scaled tables would need its rotary step and table layout to grow a width
-and a factor."""
+The C++ decoder (`decoder.cpp`) runs Phi-3 (its rotary tables come from `CausalLM.rope_tables`,
+LongRoPE's factors and attention factor included) but not partial rotary (Phi-4-mini): its rotary
+step rotates whole heads, so those models take the Python path (`NativeDecoder.build`)."""
 
 from nanoserve.model.families.family import Family, GGUFArch, TensorName
 
@@ -28,5 +28,4 @@ PHI3 = Family(
     rope_types=("default", "longrope"),
     partial_rotary=True,
     layer_tensors=PHI3_LAYER_TENSORS,
-    native_decoder=False,
 )

@@ -3,8 +3,8 @@
 `use_sliding_window`. llama.cpp's `smollm3` stores Q and K interleaved, as `llama`, and reads no
 key for the rotary-free layers: it always takes every fourth.
 
-Python path only: the C++ decoder (`decoder.cpp`) rotates every layer with one table; a per-layer
-switch would need a flag in its `LayerWeights`."""
+The C++ decoder (`decoder.cpp`) skips the rotary step of those layers (`LayerWeights.rotary`);
+the Python forward rotates them by angle 0 (cos 1, sin 0), which leaves q and k as they are."""
 
 from nanoserve.model.families.family import Family, GGUFArch
 
@@ -15,5 +15,4 @@ SMOLLM3 = Family(
     bias_switch="attention_bias",
     sliding_window_switch="use_sliding_window",
     no_rope_layers=True,
-    native_decoder=False,
 )
