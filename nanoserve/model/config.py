@@ -160,6 +160,10 @@ class ModelConfig:
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         if partial != 1.0 and not family.partial_rotary:
             raise UnsupportedModelError(f"unsupported config field partial_rotary_factor={partial} for {family.name}")
+        pairs = int(head_dim * partial) // 2
+        if scaling.rope_type == "longrope" and not len(scaling.short_factor) == len(scaling.long_factor) == pairs:
+            raise UnsupportedModelError(f"longrope short_factor and long_factor must have {pairs} entries (one per "
+                                        "rotary frequency)")
         switch = family.sliding_window_switch
         window = cfg.get("sliding_window") if switch is None or cfg.get(switch) else None
         eos = cfg.get("eos_token_id")
@@ -221,5 +225,5 @@ def _rope_scaling(spec: dict[str, Any], family: Family, max_len: int, original: 
     if "attention_factor" not in fields:
         ratio = spec.get("factor") or max_len / old_len
         fields["attention_factor"] = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(old_len))
-    return RopeScaling(rope_type=rope_type, short_factor=tuple(map(float, spec["short_factor"])),
-                       long_factor=tuple(map(float, spec["long_factor"])), **fields)
+    return RopeScaling(rope_type=rope_type, short_factor=tuple(map(float, spec.get("short_factor") or ())),
+                       long_factor=tuple(map(float, spec.get("long_factor") or ())), **fields)

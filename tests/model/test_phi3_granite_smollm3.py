@@ -17,16 +17,21 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.attention.cpu_paged import CpuPagedAttention, load_paged_attention
 from nanoserve.model import LoadedModel, UnsupportedModelError, load_model
 from nanoserve.model.checkpoint.gguf_export import export_gguf
+from nanoserve.model.checkpoint.gguf_reader import read_gguf_metadata
 from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps, select_layer_ops
+from nanoserve.model.native_decoder import NativeDecoder
 from nanoserve.model.quant.block_quant import BlockQuantWeight
+from nanoserve.native import load_cpu_kernels
 
-from support.forward import forward_chunks, full_logits
+from support.forward import forward_chunks, full_logits, paged_batch
 
 NEW_TOKENS = 32
 # Past the LongRoPE configurations' original context (32), so transformers takes the long factors
@@ -232,10 +237,6 @@ def test_q8_0_gguf_keeps_blocks_of_fused_tensors(reference, tmp_path, name):
 
 def test_gguf_names_and_keys_are_llama_cpp_s(exported):
     """The tensor names and metadata keys llama.cpp's phi3 and granite read."""
-    from nanoserve.model.checkpoint.gguf_reader import read_gguf_metadata
-
-    import gguf
-
     phi4, _ = exported("phi4-mini-longrope")
     names = {t.name for t in gguf.GGUFReader(phi4).tensors}
     assert {"rope_factors_long.weight", "rope_factors_short.weight", "blk.0.attn_qkv.weight",
@@ -261,7 +262,7 @@ def test_partial_rotary_refused_where_the_family_has_none(make_checkpoint, tmp_p
     cfg = json.loads((src / "config.json").read_text())
     cfg["partial_rotary_factor"] = 0.5
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5 for llama"):
+    with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor=0\.5 for llama"):
         load_model(tmp_path)
 
 
@@ -282,12 +283,6 @@ def test_native_decoder_gives_the_python_forward_s_bits(demo_dir, tmp_path, name
     """The C++ decoder runs Phi-3 (LongRoPE's scaled tables) and SmolLM3 (its rotary-free layers
     skipped) to the hidden states and K/V of the Python forward on the same C++ steps, bit for bit;
     it declines partial rotary (Phi-4-mini) and Granite's multipliers."""
-    from nanoserve.attention.cpu_paged import CpuPagedAttention, load_paged_attention
-    from nanoserve.model.native_decoder import NativeDecoder
-    from nanoserve.native import load_cpu_kernels
-
-    from support.forward import paged_batch
-
     lib, kernel = load_cpu_kernels(), load_paged_attention()
     assert lib is not None and kernel is not None
     ops, backend = CpuLayerOps(lib), CpuPagedAttention(kernel)
@@ -314,11 +309,19 @@ def test_native_decoder_gives_the_python_forward_s_bits(demo_dir, tmp_path, name
 
 
 def test_native_decoder_declines_granite(reference):
-    from nanoserve.attention.cpu_paged import CpuPagedAttention, load_paged_attention
-    from nanoserve.model.native_decoder import NativeDecoder
-
     kernel = load_paged_attention()
     loaded = reference("granite").loaded
     assert not loaded.config.native_decoder
     if kernel is not None:
         assert NativeDecoder.build(loaded.model, CpuPagedAttention(kernel)) is None
+
+
+def test_longrope_factors_of_the_wrong_length_refused(reference, tmp_path):
+    src = reference("phi3-su-short").path
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"]["short_factor"] = cfg["rope_parameters"]["short_factor"][:-1]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="must have 8 entries"):
+        load_model(tmp_path)
