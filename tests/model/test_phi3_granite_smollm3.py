@@ -325,3 +325,17 @@ def test_longrope_factors_of_the_wrong_length_refused(reference, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="must have 8 entries"):
         load_model(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["granite", "phi3"])
+def test_tensor_parallel_greedy_equals_transformers(reference, name):
+    """Two ranks: Granite's multipliers on the vocab-parallel embedding and logits, Phi-3's fused
+    q/k/v and gate/up sharded by blocks."""
+    ref = reference(name)
+    llm = LLM(str(ref.path), dtype="float32", max_model_len=128, tensor_parallel_size=2)
+    try:
+        outs = llm.generate(ref.seqs, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == ref.greedy
+    finally:
+        llm.engine.close()
