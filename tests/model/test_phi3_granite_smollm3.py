@@ -339,3 +339,29 @@ def test_tensor_parallel_greedy_equals_transformers(reference, name):
         assert [o.outputs[0].token_ids for o in outs] == ref.greedy
     finally:
         llm.engine.close()
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name", GGUF_CONFIGS)
+def test_llama_cpp_reads_our_gguf_with_the_same_logits(reference, tmp_path, name):
+    """llama.cpp, the referee for the GGUF conventions (fused phi3 tensors, rotary dimensions,
+    LongRoPE factors and attention factor, Granite's scales, SmolLM3's every-fourth rotary-free
+    layers, interleaved Q/K rows), gives our logits on our F32 export, with an F32 KV cache. The
+    checkpoint is copied under a neutral name first: llama.cpp sets attributes on Phi-3's own
+    special tokens, by name, for any model whose general.name contains "phi3", and fails on a
+    vocabulary without them."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (pip install .[bench])")
+    ref = reference(name)
+    src = shutil.copytree(ref.path, tmp_path / "tiny-random")
+    path = export_gguf(src, tmp_path / "model.gguf")
+    ids = ref.seqs[1]
+    ours = full_logits(ref.loaded, [ids])[0]
+    f32 = llama_cpp.GGML_TYPE_F32
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1,
+                          type_k=f32, type_v=f32)
+    try:
+        llm.eval(ids)
+        theirs = torch.tensor(llm.scores[: len(ids)])
+    finally:
+        llm.close()
+    assert (theirs - ours).abs().max().item() < 1e-4
