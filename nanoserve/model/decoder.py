@@ -123,15 +123,16 @@ class CausalLM(nn.Module):
             persistent=False,
         )
         self.rope_scale = cfg.rope_attention_factor
-        # Per dtype: cos and sin [table_len, 1, head_dim] on the CPU (see `rope`).
+        # Per dtype: cos and sin [table_len, 1, rotary_dim] on the CPU (see `rope`).
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [num_tokens, 1, rotary_dim] of `positions` (non-negative), bit for bit what
-        `rope_cos_sin` computes (with `rope_scale`). On the CPU they are rows of a table of the positions below a power
-        of two (at least 1024) past the largest position seen so far, built for each dtype by
-        `rope_cos_sin` itself and rebuilt twice as long when a position passes it (torch gives each
-        element of cos and sin the same bits whatever the tensor's size or split among threads).
+        `rope_cos_sin` computes (with `rope_scale`). On the CPU they are rows of a table of the
+        positions below a power of two (at least 1024) past the largest position seen so far, built
+        for each dtype by `rope_cos_sin` itself and rebuilt twice as long when a position passes it
+        (torch gives each element of cos and sin the same bits whatever the tensor's size or split
+        among threads).
         Other devices compute them directly: the table's size check would wait for the device, and
         the few elementwise kernels cost little there."""
         if positions.device.type != "cpu" or positions.numel() == 0:
