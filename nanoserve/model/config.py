@@ -103,7 +103,8 @@ class ModelConfig:
     @property
     def longrope_long(self) -> bool:
         """Whether LongRoPE takes its long factors, for every position: when the model's context
-        exceeds the original one (as llama.cpp decides by its context size). transformers switches
+        exceeds the original one (as llama.cpp decides by its context size; the engine decides by
+        its max_model_len instead, `CausalLM.use_context`). transformers switches
         per forward pass, by that pass's longest sequence, so a prompt within the original context
         of such a model gets its short factors there, and K/V cached before a sequence crossed the
         original length keep them; a KV cache holds one rotation per position, so here it is one

@@ -123,8 +123,22 @@ class CausalLM(nn.Module):
             persistent=False,
         )
         self.rope_scale = cfg.rope_attention_factor
+        self.context: int | None = None  # what `use_context` was given
         # Per dtype: cos and sin [table_len, 1, rotary_dim] on the CPU (see `rope`).
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def use_context(self, max_len: int) -> None:
+        """Fixes the rotary frequencies for sequences of at most `max_len` tokens: under LongRoPE its
+        long factors when `max_len` exceeds the original context, else its short ones (llama.cpp's
+        rule, by its context size; until called, by `cfg.longrope_long`). The engine's builder calls
+        it once, before any forward pass, with the resolved max_model_len; other rotary rules
+        ignore it."""
+        self.context = max_len
+        scaling = self.cfg.rope_scaling
+        if scaling.rope_type == "longrope":
+            long = max_len > scaling.original_max_position_embeddings
+            self.inv_freq.copy_(rope_inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, scaling, long))
+            self._rope_tables.clear()
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [num_tokens, 1, rotary_dim] of `positions` (non-negative), bit for bit what

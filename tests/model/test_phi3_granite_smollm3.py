@@ -365,3 +365,23 @@ def test_llama_cpp_reads_our_gguf_with_the_same_logits(reference, tmp_path, name
     finally:
         llm.close()
     assert (theirs - ours).abs().max().item() < 1e-4
+
+
+def test_longrope_follows_the_served_context(reference):
+    """Served with a context within the original one, a LongRoPE model takes its short factors
+    (llama.cpp's rule, by its context size), and then equals transformers on sequences that stay
+    within it; the same weights served longer take the long factors (the other tests)."""
+    import transformers
+
+    ref = reference("phi4-mini-longrope")
+    prompt = ref.seqs[0][:10]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    loaded = load_model(ref.path, dtype=torch.float32)
+    long_inv_freq = loaded.model.inv_freq.clone()
+    llm = LLM(loaded=loaded, max_model_len=ORIGINAL_CONTEXT)
+    assert not torch.equal(loaded.model.inv_freq, long_inv_freq)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == expected
