@@ -72,7 +72,7 @@ class LayerWeights(ctypes.Structure):
 
     _fields_ = [("input_norm", ctypes.c_void_p), ("qkv", Matrix), ("qkv_bias", ctypes.c_void_p),
                 ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("o_proj", Matrix),
-                ("post_norm", ctypes.c_void_p), ("gate_up", Matrix), ("down", Matrix)]
+                ("post_norm", ctypes.c_void_p), ("gate_up", Matrix), ("down", Matrix), ("rotary", ctypes.c_int64)]
 
 
 class Signature(NamedTuple):

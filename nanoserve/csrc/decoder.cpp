@@ -167,8 +167,9 @@ int decoder_forward(const int64_t* dims, float eps, float scale, const LayerWeig
     T* cache = kv_cache + i * layer_elems;
     rms_norm(x, residual, static_cast<const T*>(w.input_norm), normed, n, hidden, eps, num_threads);
     product(normed, w.qkv, static_cast<const T*>(w.qkv_bias), qkv, n, hidden, num_threads);
-    qk_norm_rope(qkv, n, qkv_size, heads, kv_heads, d, cos, sin, static_cast<const T*>(w.q_norm),
-                 static_cast<const T*>(w.k_norm), eps, num_threads);
+    if (w.rotary)
+      qk_norm_rope(qkv, n, qkv_size, heads, kv_heads, d, cos, sin, static_cast<const T*>(w.q_norm),
+                   static_cast<const T*>(w.k_norm), eps, num_threads);
     write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, cache, slot_mapping, n, kv_size, num_slots);
     paged_attention(qkv, qkv_size, cache, attn, block_tables, table_stride, seq_lens, query_start, num_seqs, heads,
                     kv_heads, d, block_size, num_blocks, scale, num_threads);

@@ -35,6 +35,7 @@ struct LayerWeights {
   const void* post_norm;   // [hidden]
   Matrix gate_up;          // [2 * intermediate, hidden]: gate rows, then up rows
   Matrix down;             // [hidden, intermediate]
+  int64_t rotary;          // 0: no rotary in this layer (SmolLM3's NoPE layers), and q_norm, k_norm null
 };
 
 // layer_ops.cpp

@@ -1,14 +1,16 @@
 """Model configuration: one frozen description of a decoder, read from a Hugging Face `config.json`.
 
 The supported families (`nanoserve.model.families`) share one decoder shape and differ only in a
-few switches recorded here: bias on q/k/v, RMSNorm on q and k, tied embeddings and the rotary
-scaling rule. How a family's config.json sets them is the family's declaration; anything outside
-that set fails at load with a message that names it.
+few switches recorded here: bias on q/k/v, RMSNorm on q and k, tied embeddings, the rotary
+scaling rule, partial rotary, rotary-free layers and scalar multipliers on the embedding, the
+residual adds, the attention scores and the logits. How a family's config.json sets them is the
+family's declaration; anything outside that set fails at load with a message that names it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,13 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope: per-frequency divisors for contexts within / past the original one, and the factor
+    # cos and sin are multiplied by (`from_hf_dict` resolves it as transformers does: config.json's
+    # attention_factor, else sqrt(1 + ln(s) / ln(original)) for s = `factor`, or the model's context
+    # over the original one, when above 1).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +74,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     native_decoder: bool = True
+    partial_rotary_factor: float = 1.0
+    # Granite's multipliers: of the embedding, of each sublayer's output before its residual add,
+    # of q.k (None: head_dim ** -0.5), and the divisor of the logits.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    no_rope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary (SmolLM3)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -72,6 +89,33 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that rotary rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q.k in attention."""
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
+
+    @property
+    def longrope_long(self) -> bool:
+        """Whether LongRoPE takes its long factors, for every position: when the model's context
+        exceeds the original one (as llama.cpp decides by its context size; the engine decides by
+        its max_model_len instead, `CausalLM.use_context`). transformers switches
+        per forward pass, by that pass's longest sequence, so a prompt within the original context
+        of such a model gets its short factors there, and K/V cached before a sequence crossed the
+        original length keep them; a KV cache holds one rotation per position, so here it is one
+        rule per model."""
+        return self.max_position_embeddings > self.rope_scaling.original_max_position_embeddings
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """The factor of cos and sin (1 except under LongRoPE)."""
+        s = self.rope_scaling
+        return s.attention_factor if s.rope_type == "longrope" and s.attention_factor is not None else 1.0
 
     @property
     def num_params(self) -> int:
@@ -112,7 +156,15 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or {}
         legacy = cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = _rope_scaling({**legacy, **rope}, family)
+        max_len = cfg.get("max_position_embeddings", 2048)
+        scaling = _rope_scaling({**legacy, **rope}, family, max_len, cfg.get("original_max_position_embeddings"))
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0 and not family.partial_rotary:
+            raise UnsupportedModelError(f"unsupported config field partial_rotary_factor={partial} for {family.name}")
+        pairs = int(head_dim * partial) // 2
+        if scaling.rope_type == "longrope" and not len(scaling.short_factor) == len(scaling.long_factor) == pairs:
+            raise UnsupportedModelError(f"longrope short_factor and long_factor must have {pairs} entries (one per "
+                                        "rotary frequency)")
         switch = family.sliding_window_switch
         window = cfg.get("sliding_window") if switch is None or cfg.get(switch) else None
         eos = cfg.get("eos_token_id")
@@ -128,7 +180,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_len,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=family.qkv_bias,
             qk_norm=family.qk_norm,
@@ -137,15 +189,42 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             native_decoder=family.native_decoder,
+            partial_rotary_factor=partial,
+            no_rope_layers=_no_rope_layers(cfg) if family.no_rope_layers else (),
+            **{name: float(cfg.get(name, default)) for name, default in family.multipliers},
         )
 
 
-def _rope_scaling(spec: dict[str, Any], family: Family) -> RopeScaling:
+def _no_rope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The layers without rotary by SmolLM3's config.json: `no_rope_layers` (a 0 or 1 per layer, 0
+    for none), else every `no_rope_layer_interval`-th layer."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval") or 4
+        return tuple(i for i in range(cfg["num_hidden_layers"]) if (i + 1) % interval == 0)
+    if len(flags) != cfg["num_hidden_layers"]:
+        raise UnsupportedModelError(f"no_rope_layers has {len(flags)} entries for {cfg['num_hidden_layers']} layers")
+    return tuple(i for i, flag in enumerate(flags) if not flag)
+
+
+def _rope_scaling(spec: dict[str, Any], family: Family, max_len: int, original: int | None) -> RopeScaling:
     rope_type = spec.get("rope_type") or spec.get("type") or "default"
+    if rope_type == "su":  # LongRoPE's earlier name
+        rope_type = "longrope"
     if rope_type not in family.rope_types:
         raise UnsupportedModelError(
             f"unsupported rope_scaling type {rope_type!r}; nanoserve supports {list(family.rope_types)} "
             f"for {family.name}"
         )
-    known = {f for f in RopeScaling.__slots__ if f != "rope_type"}
-    return RopeScaling(rope_type=rope_type, **{k: v for k, v in spec.items() if k in known})
+    known = {f for f in RopeScaling.__slots__ if f not in ("rope_type", "short_factor", "long_factor")}
+    fields = {k: v for k, v in spec.items() if k in known and v is not None}
+    if rope_type != "longrope":
+        fields.pop("attention_factor", None)
+        return RopeScaling(rope_type=rope_type, **fields)
+    fields.setdefault("original_max_position_embeddings", original or max_len)
+    old_len = fields["original_max_position_embeddings"]
+    if "attention_factor" not in fields:
+        ratio = spec.get("factor") or max_len / old_len
+        fields["attention_factor"] = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(old_len))
+    return RopeScaling(rope_type=rope_type, short_factor=tuple(map(float, spec.get("short_factor") or ())),
+                       long_factor=tuple(map(float, spec.get("long_factor") or ())), **fields)

@@ -1,4 +1,5 @@
-"""The decoder shared by the Llama, Qwen2, Qwen3 and Mistral families.
+"""The decoder shared by the Llama-shaped families (`nanoserve.model.families`): Llama, Qwen2,
+Qwen3, Mistral, Phi-3, Granite, SmolLM3, with their `ModelConfig` switches.
 
 `CausalLM.forward` takes one flat batch: the new tokens of many sequences concatenated, with
 explicit positions and the attention metadata that says where each token's K/V goes and which
@@ -24,8 +25,10 @@ from nanoserve.model.quant.weight_formats import LinearWeight
 
 class Attention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projection, optional q/k bias (Qwen2) and
-    optional per-head RMSNorm on q and k before rotary (Qwen3). The matrices of layer `layer` take
-    the formats `quant` gives them."""
+    optional per-head RMSNorm on q and k before rotary (Qwen3), rotary over the first
+    `cfg.rotary_dim` dimensions of each head and none at all in `cfg.no_rope_layers` (SmolLM3: the
+    caller then passes cos = 1, sin = 0), q.k scaled by `cfg.attention_scale`. The matrices of
+    layer `layer` take the formats `quant` gives them."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
@@ -34,7 +37,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.rotary = layer not in cfg.no_rope_layers
         self.eps = cfg.rms_norm_eps
         self.qkv_proj = quant.make_weight(layer, "self_attn.qkv_proj",
                                           (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)),
@@ -60,7 +64,8 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block on a residual stream: h += attn(norm(h)); h += mlp(norm(h)). Each add is
     fused into the norm after it (`LayerOps.rms_norm` with a residual), so a layer takes the previous
-    sublayer's output, adds it into the stream first, and returns its own MLP's output unadded."""
+    sublayer's output, adds it into the stream first, and returns its own MLP's output unadded.
+    Each sublayer's output is multiplied by `cfg.residual_multiplier` before its add (Granite)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
@@ -68,6 +73,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, dtype, quant, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, quant, layer)
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
@@ -77,8 +83,11 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         h = self.self_attn(ops.rms_norm(x, norm.weight, norm.eps, residual), cos, sin, kv_cache, meta, backend, ops)
         norm, mlp = self.post_attention_layernorm, self.mlp
-        h = ops.silu_mul(ops.linear(ops.rms_norm(h, norm.weight, norm.eps, residual), mlp.gate_up_proj))
-        return ops.linear(h, mlp.down_proj)
+        h = ops.silu_mul(ops.linear(ops.rms_norm(self._scaled(h), norm.weight, norm.eps, residual), mlp.gate_up_proj))
+        return self._scaled(ops.linear(h, mlp.down_proj))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
 class CausalLM(nn.Module):
@@ -90,7 +99,8 @@ class CausalLM(nn.Module):
     carries out the products and elementwise steps (`TorchLayerOps` unless the engine picks fused
     kernels for its device).
     `inv_freq` is fixed at construction (no loader writes it), so the rotary tables of `rope`,
-    built from it at first use, stay valid."""
+    built from it at first use, stay valid. The embedding's rows are multiplied by
+    `cfg.embedding_multiplier` and the logits divided by `cfg.logits_scaling` (Granite)."""
 
     inv_freq: torch.Tensor  # a buffer (registered in __init__)
 
@@ -109,31 +119,48 @@ class CausalLM(nn.Module):
         self.lm_head: LinearWeight | None = (
             None if cfg.tie_word_embeddings else quant.make_weight(None, "lm_head", vocab, cfg.hidden_size, dtype))
         self.register_buffer(
-            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
+            "inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.longrope_long),
+            persistent=False,
         )
-        # Per dtype: cos and sin [table_len, 1, head_dim] on the CPU (see `rope`).
+        self.rope_scale = cfg.rope_attention_factor
+        self.context: int | None = None  # what `use_context` was given
+        # Per dtype: cos and sin [table_len, 1, rotary_dim] on the CPU (see `rope`).
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def use_context(self, max_len: int) -> None:
+        """Fixes the rotary frequencies for sequences of at most `max_len` tokens: under LongRoPE its
+        long factors when `max_len` exceeds the original context, else its short ones (llama.cpp's
+        rule, by its context size; until called, by `cfg.longrope_long`). The engine's builder calls
+        it once, before any forward pass, with the resolved max_model_len; other rotary rules
+        ignore it."""
+        self.context = max_len
+        scaling = self.cfg.rope_scaling
+        if scaling.rope_type == "longrope":
+            long = max_len > scaling.original_max_position_embeddings
+            self.inv_freq.copy_(rope_inv_freq(self.cfg.rotary_dim, self.cfg.rope_theta, scaling, long))
+            self._rope_tables.clear()
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [num_tokens, 1, head_dim] of `positions` (non-negative), bit for bit what
-        `rope_cos_sin` computes. On the CPU they are rows of a table of the positions below a power
-        of two (at least 1024) past the largest position seen so far, built for each dtype by
-        `rope_cos_sin` itself and rebuilt twice as long when a position passes it (torch gives each
-        element of cos and sin the same bits whatever the tensor's size or split among threads).
+        """cos and sin [num_tokens, 1, rotary_dim] of `positions` (non-negative), bit for bit what
+        `rope_cos_sin` computes (with `rope_scale`). On the CPU they are rows of a table of the
+        positions below a power of two (at least 1024) past the largest position seen so far, built
+        for each dtype by `rope_cos_sin` itself and rebuilt twice as long when a position passes it
+        (torch gives each element of cos and sin the same bits whatever the tensor's size or split
+        among threads).
         Other devices compute them directly: the table's size check would wait for the device, and
         the few elementwise kernels cost little there."""
         if positions.device.type != "cpu" or positions.numel() == 0:
-            return rope_cos_sin(positions, self.inv_freq, dtype)
+            return rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scale)
         cos, sin = self.rope_tables(int(positions.max()) + 1, dtype)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def rope_tables(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The CPU tables cos and sin [table_len, 1, head_dim] (contiguous; row p for position p) of
+        """The CPU tables cos and sin [table_len, 1, rotary_dim] (contiguous; row p for position p) of
         `rope`, with table_len >= num_positions."""
         tables = self._rope_tables.get(dtype)
         if tables is None or tables[0].shape[0] < num_positions:
             size = max(1024, 1 << (num_positions - 1).bit_length())
-            tables = rope_cos_sin(torch.arange(size), self.inv_freq, dtype)
+            tables = rope_cos_sin(torch.arange(size), self.inv_freq, dtype, self.rope_scale)
             self._rope_tables[dtype] = tables
         return tables
 
@@ -149,20 +176,32 @@ class CausalLM(nn.Module):
         """Returns the final hidden states [num_tokens, hidden_size] (normed)."""
         residual = self.embed(input_ids)
         cos, sin = self.rope(positions, residual.dtype)
+        # The rotation by angle 0, for layers without rotary (only built for models that have them).
+        identity = (torch.ones_like(cos), torch.zeros_like(sin)) if self.cfg.no_rope_layers else (cos, sin)
         x = torch.zeros_like(residual)  # what the first layer adds into the stream
         for i, layer in enumerate(self.layers):
-            x = layer(x, residual, cos, sin, kv_caches[i], meta, backend, self.ops)
+            layer_cos, layer_sin = (cos, sin) if layer.self_attn.rotary else identity
+            x = layer(x, residual, layer_cos, layer_sin, kv_caches[i], meta, backend, self.ops)
         return self.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' rows of the embedding table [num_tokens, hidden_size]: a new tensor, which
-        becomes the residual stream (a vocab-parallel model sums its ranks' rows here)."""
-        return self.ops.embed(input_ids, self.embed_tokens)
+        becomes the residual stream (a vocab-parallel model sums its ranks' rows here), times
+        `cfg.embedding_multiplier`."""
+        return self.scale_embedding(self.ops.embed(input_ids, self.embed_tokens))
+
+    def scale_embedding(self, rows: torch.Tensor) -> torch.Tensor:
+        """Embedding rows times `cfg.embedding_multiplier`."""
+        return rows if self.cfg.embedding_multiplier == 1.0 else rows * self.cfg.embedding_multiplier
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits divided by `cfg.logits_scaling`."""
+        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [n, vocab] for the given rows of hidden states."""
-        return self.ops.linear(hidden, self.head).float()
+        """fp32 logits [n, vocab] for the given rows of hidden states (divided by `cfg.logits_scaling`)."""
+        return self.scale_logits(self.ops.linear(hidden, self.head).float())
 
     @property
     def head(self) -> LinearWeight:

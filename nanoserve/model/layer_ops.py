@@ -19,6 +19,7 @@ Invariants shared by both:
   are dequantized) into a dense [*ids.shape, hidden] tensor of the table's dtype.
 - `qk_norm_rope` returns q [n, heads, head_dim] and k [n, kv_heads, head_dim]; they may be views of
   qkv (CpuLayerOps rotates in place, so qkv's q and k columns are overwritten) or new tensors.
+  cos and sin of fewer than head_dim columns rotate only a head's first ones (partial rotary).
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class CpuLayerOps:
     """The C++ steps. Invariant: only contiguous CPU tensors of one dtype in `DTYPES` reach the
     library (`qk_norm_rope` works in place on the q and k columns of a contiguous qkv; cos and sin are
     [n, head_dim] as `rope_cos_sin` makes them): anything else raises ValueError before a pointer is
-    passed, except in `linear`, which hands what it does not take to F.linear."""
+    passed, except in `linear`, which hands what it does not take to F.linear, and in `qk_norm_rope`,
+    which hands partial rotary (cos narrower than a head) to the torch reference."""
 
     DTYPES = frozenset(DTYPE_SUFFIX)
 
@@ -216,6 +218,9 @@ class CpuLayerOps:
     def qk_norm_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if cos.shape[-1] != head_dim:  # partial rotary: the C++ step rotates whole heads only
+            return TorchLayerOps().qk_norm_rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight,
+                                                eps)
         norms = () if q_weight is None or k_weight is None else (q_weight, k_weight)
         _check(qkv, cos, sin, *norms)
         n, stride = qkv.shape

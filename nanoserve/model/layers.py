@@ -1,5 +1,6 @@
-"""Building blocks of the decoder: RMSNorm, rotary position embedding (with llama3 and linear
-scaling), the SwiGLU MLP. Numerics follow the Hugging Face reference: norms in fp32, then cast."""
+"""Building blocks of the decoder: RMSNorm, rotary position embedding (with llama3, linear and
+LongRoPE scaling, over all or the first part of each head), the SwiGLU MLP. Numerics follow the
+Hugging Face reference: norms in fp32, then cast."""
 
 from __future__ import annotations
 
@@ -37,9 +38,16 @@ class RMSNorm(nn.Module):
         self.weight = empty_param(dim, dtype=dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Inverse frequencies of rotary embedding, after the checkpoint's scaling rule."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding over `rotary_dim` dimensions, after the checkpoint's
+    scaling rule (LongRoPE: its long factors if `long`, else its short ones)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if scaling.rope_type == "longrope":
+        factors = scaling.long_factor if long else scaling.short_factor
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(f"longrope takes {rotary_dim // 2} factors, one per rotary frequency; got {len(factors)}")
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
@@ -58,16 +66,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for each position, shaped [num_tokens, 1, head_dim] (halves repeated)."""
+    """cos and sin for each position, shaped [num_tokens, 1, rotary_dim] (halves repeated), times
+    `scale` in fp32 before the cast (LongRoPE's attention factor)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [num_tokens, heads, head_dim] by the 'rotate half' (non-interleaved) convention."""
+    """Rotates x [num_tokens, heads, head_dim] by the 'rotate half' (non-interleaved) convention,
+    over its first cos.shape[-1] dimensions (all of a head but under partial rotary); the rest pass
+    through."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

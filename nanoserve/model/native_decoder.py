@@ -54,7 +54,7 @@ class NativeDecoder:
         self.dtype = model.dtype
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         self.max_rows = ops.max_rows[model.dtype]
         self.dims = torch.tensor([cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                   cfg.head_dim, cfg.intermediate_size, cfg.num_hidden_layers], dtype=torch.int64)
@@ -69,6 +69,7 @@ class NativeDecoder:
                 setattr(slot, name, None if param is None else param.data_ptr())
             slot.qkv, slot.o_proj = _matrix(attn.qkv_proj), _matrix(attn.o_proj)
             slot.gate_up, slot.down = _matrix(mlp.gate_up_proj), _matrix(mlp.down_proj)
+            slot.rotary = int(attn.rotary)
         self.embed = _matrix(model.embed_tokens)
         self.head = _matrix(model.head)
         self.head_rows = model.head.out_features
@@ -80,10 +81,13 @@ class NativeDecoder:
         """A decoder for `model` when its family declares one and its steps run on the C++ path
         (CpuLayerOps and the C++ attention kernel for its dtype and head size, every weight in a
         format it reads, all of its parameters and buffers contiguous CPU tensors, the parameters of
-        its dtype); None otherwise."""
-        ops = model.ops
-        if not (model.cfg.native_decoder and isinstance(ops, CpuLayerOps) and isinstance(backend, CpuPagedAttention)
-                and backend.kernel.supports(model.dtype, model.cfg.head_dim)):
+        its dtype, rotary over whole heads and q/k norms only in layers with rotary); None otherwise."""
+        ops, cfg = model.ops, model.cfg
+        if not (cfg.native_decoder and isinstance(ops, CpuLayerOps) and isinstance(backend, CpuPagedAttention)
+                and backend.kernel.supports(model.dtype, cfg.head_dim)):
+            return None
+        if cfg.rotary_dim != cfg.head_dim or (cfg.qk_norm and cfg.no_rope_layers):
+            log.info("no native decoder: it rotates whole heads, and normalizes q and k only with rotary")
             return None
         unreadable = _unreadable_weight(model)
         if unreadable is not None:

@@ -92,7 +92,7 @@ class TensorParallelCausalLM(CausalLM):
         local = input_ids - self.vocab_start
         elsewhere = (local < 0) | (local >= self.cfg.vocab_size)
         rows = self.ops.embed(local.masked_fill(elsewhere, 0), self.embed_tokens)
-        return self.group.all_reduce(rows.masked_fill_(elsewhere[:, None], 0))
+        return self.scale_embedding(self.group.all_reduce(rows.masked_fill_(elsewhere[:, None], 0)))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ class TensorParallelCausalLM(CausalLM):
         others (which sample nothing) their own columns, in the model's dtype."""
         local = self.ops.linear(hidden, self.head)
         gathered = self.group.gather(local)
-        return local if gathered is None else gathered[:, : self.vocab_size].float()
+        return local if gathered is None else self.scale_logits(gathered[:, : self.vocab_size].float())
 
 
 def _dense(w: LinearWeight, name: str) -> torch.Tensor:

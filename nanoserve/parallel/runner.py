@@ -77,12 +77,13 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, model: TensorParallelCausalLM, workers: WorkerRanks, kv_shape: KVShape, num_blocks: int,
                  block_size: int, vocab_size: int, stop_token_ids: frozenset[int], device: torch.device,
                  backend: AttentionBackend | None = None) -> None:
-        """Tells the workers the pool's size, so that they allocate theirs."""
+        """Tells the workers the pool's size, so that they allocate theirs, and the context the
+        model serves."""
         super().__init__(model, kv_shape, num_blocks, block_size, vocab_size, stop_token_ids, device, backend)
         self.group = model.group
         self.workers = workers
         self.failure: str | None = None
-        send_setup(self.group, Setup(num_blocks, block_size))
+        send_setup(self.group, Setup(num_blocks, block_size, model.context or 0))
         self._stop_workers = weakref.finalize(self, _stop_workers, self.group, workers)
 
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, PreparedBatch, Pooled]:

@@ -33,10 +33,12 @@ class Kind(enum.IntEnum):
 
 
 class Setup(NamedTuple):
-    """What a worker needs before its first step: the KV pool's size."""
+    """What a worker needs before its first step: the KV pool's size, and the context its model
+    serves (`CausalLM.use_context`; 0: not set)."""
 
     num_blocks: int
     block_size: int
+    context: int
 
 
 class WorkerStep(NamedTuple):

@@ -55,6 +55,8 @@ def run_worker(args: EngineArgs, rendezvous: Rendezvous, rank: int) -> None:
     model = shard_model(loaded.model, group)
     del loaded
     setup = receive_setup(group)
+    if setup.context:
+        model.use_context(setup.context)
     cfg = model.cfg
     kv_cache = torch.zeros(cfg.num_hidden_layers, 2, setup.num_blocks, setup.block_size, cfg.num_key_value_heads,
                            cfg.head_dim, dtype=model.dtype, device=device)

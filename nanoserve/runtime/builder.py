@@ -60,6 +60,8 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngi
     cfg = loaded.config
     args = args.resolved(cfg.max_position_embeddings, cfg.sliding_window,
                          None if draft is None else _context_limit(draft.config))
+    for model in (loaded.model, *(() if draft is None else (draft.model,))):
+        model.use_context(args.max_model_len)  # LongRoPE's factors follow the served context
     torch.manual_seed(args.seed)
     vocab_size = min(cfg.vocab_size, loaded.tokenizer.vocab_size)
     kv_shape = _kv_shape(loaded.model.cfg)  # a shard's: its share of the KV heads

@@ -4,7 +4,9 @@ Same metadata keys, tensor names and tensor types as the converter (names and GG
 from the model's family, `nanoserve.model.families`): Q and K rows of architectures that store
 them interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept
 F32, tied embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight`
-factors, the tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its
+factors, LongRoPE as `rope_factors_long/short.weight` with its original context and attention
+factor (phi3), a family's multipliers and sliding window under the keys its `GGUFArch` names, the
+tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its
 pre-tokenizer name, special ids and chat template (through `gguf.SpecialVocab`, as the converter
 does). One addition llama.cpp ignores: ROPE_SCALING_KEY keeps the exact llama3 rope parameters,
 which the factors alone do not determine.
@@ -25,6 +27,8 @@ from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType, TokenType
 
 from nanoserve.model.checkpoint.gguf_reader import (
+    ROPE_FACTORS_LONG,
+    ROPE_FACTORS_SHORT,
     ROPE_FREQS,
     ROPE_SCALING_KEY,
     llama3_rope_factors,
@@ -63,9 +67,14 @@ def export_gguf(
     if arch is None:
         raise ValueError(f"{folder.name}: the {family.name} family has no GGUF architecture")
     qtype, ftype = OUT_TYPES[out_type]
-    if cfg.sliding_window is not None:
+    if arch.no_rope_interval is not None and cfg.no_rope_layers != _every(arch.no_rope_interval, cfg):
+        raise ValueError(f"{folder.name}: layers {list(cfg.no_rope_layers)} without rotary; llama.cpp's {arch.name} "
+                         f"takes every {arch.no_rope_interval}th layer")
+    if cfg.sliding_window is not None and not arch.sliding_window:
         log.warning("%s: sliding_window=%d is not written; llama.cpp's %s architecture has no sliding window",
                     folder.name, cfg.sliding_window, arch.name)
+    if cfg.rope_scaling.rope_type == "longrope" and not arch.longrope_tensors:
+        raise ValueError(f"{folder.name}: llama.cpp's {arch.name} architecture has no LongRoPE")
     writer = gguf.GGUFWriter(out, arch.name, use_temp_file=True)
     _write_hparams(writer, arch, cfg, ftype, folder.name)
     _write_tokenizer(writer, folder, cfg.vocab_size)
@@ -100,7 +109,11 @@ def _write_hparams(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if arch.vocab_and_rope_dims:
         writer.add_vocab_size(cfg.vocab_size)
-        writer.add_rope_dimension_count(cfg.head_dim)
+        writer.add_rope_dimension_count(cfg.rotary_dim)
+    if arch.sliding_window:
+        writer.add_sliding_window(cfg.sliding_window or 0)
+    for key, field in arch.multipliers:
+        writer.add_float32(f"{arch.name}.{key}", getattr(cfg, field))
     scaling = cfg.rope_scaling
     if scaling.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -110,15 +123,26 @@ def _write_hparams(
                 "high_freq_factor": scaling.high_freq_factor,
                 "original_max_position_embeddings": scaling.original_max_position_embeddings}
         writer.add_string(ROPE_SCALING_KEY, json.dumps(spec))
+    elif scaling.rope_type == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+        writer.add_rope_scaling_attn_factors(cfg.rope_attention_factor)
+
+
+def _every(interval: int, cfg: ModelConfig) -> tuple[int, ...]:
+    return tuple(i for i in range(cfg.num_hidden_layers) if (i + 1) % interval == 0)
 
 
 def _gguf_tensors(
     folder: Path, cfg: ModelConfig, family: Family, arch: GGUFArch
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(GGUF name, tensor in GGUF layout): rope factors first (llama3 scaling only), then every
-    checkpoint tensor renamed, with Q/K rows permuted where the architecture stores them interleaved."""
+    """(GGUF name, tensor in GGUF layout): rope factors first (llama3 and LongRoPE scaling only),
+    then every checkpoint tensor renamed, with Q/K rows permuted where the architecture stores them
+    interleaved."""
     if cfg.rope_scaling.rope_type == "llama3":
         yield ROPE_FREQS, llama3_rope_factors(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_scaling.rope_type == "longrope":
+        yield ROPE_FACTORS_LONG, torch.tensor(cfg.rope_scaling.long_factor, dtype=torch.float32)
+        yield ROPE_FACTORS_SHORT, torch.tensor(cfg.rope_scaling.short_factor, dtype=torch.float32)
     heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
     for hf_name, tensor in iter_safetensors(safetensors_files(folder)):
         tied_head = cfg.tie_word_embeddings and hf_name == "lm_head.weight"

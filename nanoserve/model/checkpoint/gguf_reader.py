@@ -48,7 +48,7 @@ from tokenizers import AddedToken, decoders
 
 from nanoserve.model.checkpoint import gguf_header
 from nanoserve.model.config import ModelLoadError, RopeScaling, UnsupportedModelError
-from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch
 from nanoserve.model.layers import rope_inv_freq
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, QuantizedRows
 from nanoserve.tokenizer import sentencepiece_bpe
@@ -58,6 +58,9 @@ from nanoserve.tokenizer.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 ROPE_FREQS = "rope_freqs.weight"
+# LongRoPE's per-frequency divisors past and within the original context (llama.cpp's phi3).
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 # Metadata key (ours, ignored by llama.cpp) holding the exact HF llama3 rope parameters as JSON;
 # llama.cpp files carry only the per-frequency factors in ROPE_FREQS.
 ROPE_SCALING_KEY = "nanoserve.rope_scaling"
@@ -97,7 +100,7 @@ class GGUFCheckpoint(NamedTuple):
         heads = {"q": cfg["num_attention_heads"], "k": cfg["num_key_value_heads"]}
         interleaved = self.family.gguf is not None and self.family.gguf.interleaved_rotary
         for t in self.tensors:
-            if t.name == ROPE_FREQS:  # already folded into hf_config's rope parameters
+            if t.name in (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT):  # in hf_config's rope parameters
                 continue
             ref = self.family.tensor_by_gguf(t.name)
             if ref is None:
@@ -282,20 +285,24 @@ def _hf_config(meta: dict[str, Any], family: Family, tensors: dict[str, ReaderTe
     hidden = _require(meta, f"{arch}.embedding_length")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
     theta = meta.get(f"{arch}.rope.freq_base", 10000.0)
+    layers = _require(meta, f"{arch}.block_count")
+    rotary_dim = meta.get(f"{arch}.rope.dimension_count", head_dim)
     return {
         "architectures": [family.architectures[0]],
         "model_type": family.name,
         "vocab_size": len(_require(meta, "tokenizer.ggml.tokens")),
         "hidden_size": hidden,
         "intermediate_size": _require(meta, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _require(meta, f"{arch}.block_count"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _require(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": _require(meta, f"{arch}.context_length"),
-        "rope_parameters": {"rope_theta": theta, **_rope_scaling(meta, arch, tensors, head_dim, theta)},
+        "rope_parameters": {"rope_theta": theta, **_rope_scaling(meta, arch, tensors, head_dim, theta),
+                            **({} if rotary_dim == head_dim else {"partial_rotary_factor": rotary_dim / head_dim})},
+        **_family_fields(meta, family.gguf, layers),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -303,11 +310,40 @@ def _hf_config(meta: dict[str, Any], family: Family, tensors: dict[str, ReaderTe
     }
 
 
+def _family_fields(meta: dict[str, Any], arch: GGUFArch, layers: int) -> dict[str, Any]:
+    """The config.json fields of what only some architectures store: a sliding window, multipliers,
+    the layers without rotary."""
+    fields: dict[str, Any] = {}
+    if arch.sliding_window and meta.get(f"{arch.name}.attention.sliding_window"):
+        fields["sliding_window"] = meta[f"{arch.name}.attention.sliding_window"]
+    for key, field in arch.multipliers:
+        if f"{arch.name}.{key}" in meta:
+            fields[field] = meta[f"{arch.name}.{key}"]
+    if arch.no_rope_interval is not None:
+        fields["no_rope_layers"] = [int((i + 1) % arch.no_rope_interval != 0) for i in range(layers)]
+    return fields
+
+
+def _decimals(t: ReaderTensor) -> list[float]:
+    """An F32 vector as the shortest decimals that round to its values (as `_metadata` reads float32
+    scalars): the numbers the converter was given."""
+    return [float(str(v)) for v in _to_torch(t, torch.float32).numpy()]
+
+
 def _rope_scaling(
     meta: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor], head_dim: int, theta: float
 ) -> dict[str, Any]:
     """Rope scaling as HF `rope_parameters` entries. llama.cpp keeps linear scaling in metadata
-    (type defaults to linear, as llama.cpp reads it) and llama3 scaling as ROPE_FREQS factors."""
+    (type defaults to linear, as llama.cpp reads it), llama3 scaling as ROPE_FREQS factors and
+    LongRoPE as ROPE_FACTORS_LONG / _SHORT with the original context and attention factor."""
+    if ROPE_FACTORS_LONG in tensors and ROPE_FACTORS_SHORT in tensors:
+        spec = {"rope_type": "longrope",
+                "long_factor": _decimals(tensors[ROPE_FACTORS_LONG]),
+                "short_factor": _decimals(tensors[ROPE_FACTORS_SHORT]),
+                "original_max_position_embeddings": _require(meta, f"{arch}.rope.scaling.original_context_length")}
+        if f"{arch}.rope.scaling.attn_factor" in meta:
+            spec["attention_factor"] = meta[f"{arch}.rope.scaling.attn_factor"]
+        return spec
     kind = meta.get(f"{arch}.rope.scaling.type", "linear")
     factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear") or 1.0
     freqs = tensors.get(ROPE_FREQS)

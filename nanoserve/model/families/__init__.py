@@ -14,13 +14,16 @@ from nanoserve.model.families.family import (
     TensorName,
     TensorRef,
 )
+from nanoserve.model.families.granite import GRANITE
 from nanoserve.model.families.llama import LLAMA
 from nanoserve.model.families.mistral import MISTRAL
+from nanoserve.model.families.phi3 import PHI3
 from nanoserve.model.families.qwen2 import QWEN2
 from nanoserve.model.families.qwen3 import QWEN3
+from nanoserve.model.families.smollm3 import SMOLLM3
 
 # Llama before Mistral: a GGUF file of architecture `llama` reads as Llama.
-FAMILIES = FamilyRegistry((LLAMA, MISTRAL, QWEN2, QWEN3))
+FAMILIES = FamilyRegistry((LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GRANITE, SMOLLM3))
 
 __all__ = ["FAMILIES", "GLOBAL_TENSORS", "LLAMA_LAYER_TENSORS", "ROPE_TYPES", "Family", "FamilyRegistry", "GGUFArch",
            "TensorName", "TensorRef"]

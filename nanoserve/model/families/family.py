@@ -17,8 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-# Rotary scaling rules the decoder implements (`nanoserve.model.layers.rope_inv_freq`).
-ROPE_TYPES = ("default", "llama3", "linear")
+# Rotary scaling rules the decoder implements (`nanoserve.model.layers.rope_inv_freq`); "longrope"
+# (Phi-3's LongRoPE, also spelt "su") only for families that list it in their `rope_types`.
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -31,7 +32,8 @@ class TensorName(NamedTuple):
     `blk.{i}.` in GGUF files, `CausalLM.layers[i]` for `param`); others to the model. `param` is an
     attribute path on `CausalLM` (or on one of its layers); `rows`, when set, names the block of
     rows this tensor fills in a fused parameter: "q", "k" or "v" of `qkv_proj` / `qkv_bias`,
-    "gate" or "up" of `gate_up_proj`.
+    "gate" or "up" of `gate_up_proj`; None on a fused parameter means the tensor fills all of it
+    (a checkpoint that stores q/k/v or gate/up fused, as Phi-3's does).
     """
 
     hf: str
@@ -82,8 +84,19 @@ class GGUFArch:
     # Q and K rows permuted from rotate-half to the interleaved rotary layout (the converter's
     # `LlamaModel.permute`); the reader undoes it, the exporter applies it.
     interleaved_rotary: bool = False
-    # The converter also writes `{name}.vocab_size` and `{name}.rope.dimension_count`.
+    # The converter also writes `{name}.vocab_size` and `{name}.rope.dimension_count` (the rotary
+    # dimensions of a head, fewer than head_dim under partial rotary).
     vocab_and_rope_dims: bool = False
+    # `{name}.attention.sliding_window` holds config.json's sliding_window (0: none).
+    sliding_window: bool = False
+    # (GGUF key after `{name}.`, config.json field) of the family's scalar multipliers.
+    multipliers: tuple[tuple[str, str], ...] = ()
+    # LongRoPE kept as `rope_factors_long.weight` / `rope_factors_short.weight` tensors with
+    # `{name}.rope.scaling.original_context_length` and `.attn_factor` (llama.cpp's phi3).
+    longrope_tensors: bool = False
+    # llama.cpp's fixed rule for rotary-free layers: every layer i with (i + 1) % n == 0 (its
+    # smollm3 reads no key for it); None: every layer has rotary.
+    no_rope_interval: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +116,16 @@ class Family:
     # None: a `sliding_window` in config.json always applies (Mistral).
     sliding_window_switch: str | None = None
     rope_types: tuple[str, ...] = ROPE_TYPES  # rotary scaling rules accepted (a subset of ROPE_TYPES)
+    # `partial_rotary_factor` (config.json or its rope parameters) is honoured: rotary on the first
+    # head_dim * factor dimensions of each head (Phi-3, Phi-4-mini); elsewhere a factor != 1 is refused.
+    partial_rotary: bool = False
+    # config.json fields of scalar multipliers, with their defaults when absent (Granite's
+    # embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling): each becomes
+    # the `ModelConfig` field of that name.
+    multipliers: tuple[tuple[str, float], ...] = ()
+    # config.json's `no_rope_layers` (1: rotary, 0: none, per layer) or, without it, every
+    # `no_rope_layer_interval`-th layer (default 4) without rotary (SmolLM3).
+    no_rope_layers: bool = False
     layer_tensors: tuple[TensorName, ...] = LLAMA_LAYER_TENSORS
     global_tensors: tuple[TensorName, ...] = GLOBAL_TENSORS
     native_decoder: bool = True  # `nanoserve/csrc/decoder.cpp` implements these layers

@@ -79,8 +79,10 @@ class QuantConfig:
         return frozenset(self.formats.values())
 
     def format(self, layer: int | None, param: str, rows: str | None = None) -> str:
-        """The format of one matrix or row block: a BLOCK_FORMATS key, or DENSE."""
-        return self.formats.get(WeightKey(layer, param, rows), DENSE)
+        """The format of one matrix or row block: a BLOCK_FORMATS key, or DENSE. A row block takes
+        its matrix's format where the checkpoint stores the matrix fused (key `rows` None)."""
+        whole = self.formats.get(WeightKey(layer, param), DENSE)
+        return self.formats.get(WeightKey(layer, param, rows), whole)
 
     def make_weight(self, layer: int | None, param: str, blocks: Sequence[tuple[str | None, int]],
                     in_features: int, dtype: torch.dtype) -> LinearWeight:
