@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nanoserve.model.families",),
     ("nanoserve.attention",),
     ("nanoserve.native",),
-    ("nanoserve.kv", "nanoserve.tokenizer", "nanoserve.cache", "nanoserve.log"),
+    ("nanoserve.kv", "nanoserve.tokenizer", "nanoserve.cache", "nanoserve.log", "nanoserve.kernel_build"),
 )
 
 
