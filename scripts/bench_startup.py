@@ -1,17 +1,18 @@
 """Startup time (issue #31): from launching `nanoserve serve MODEL` to its first /health 200, warm.
 
-Usage: PYTHONPATH=TREE python scripts/bench_startup.py [--model demo|llama-3.2-1b-q8_0|PATH] [--runs 5]
-       [--port 18400] [--serve-arg=--flag ...]
+Usage: PYTHONPATH=. python scripts/bench_startup.py [--model demo|llama-3.2-1b-q8_0|PATH] [--runs 5]
+       [--port 18400] [--tree CHECKOUT ...] [--serve-arg=--flag ...]
 
 Warm means: the model's files are in the page cache, its checkpoint (and GGUF) already made, the
 CPU kernels already built (at install). One untimed run makes it so, then `--runs` timed runs each
-launch `python -m nanoserve.cli serve MODEL --port P`, poll /health every 50 ms, and stop the server
-with SIGINT. Each run also reads the time stamps of the server's own log lines, so the result
-says where the time goes: `stages_s` holds, for the median run, the seconds from launch to the
-first line (the CLI's imports), to the line saying the model has loaded (the engine-core process
-spawned, torch imported there, the weights loaded), to the KV cache line (the pool allocated), and
-to healthy (warm-up and the first /health). `import_s` times `import torch` and `import
-nanoserve.cli` in fresh interpreters for comparison.
+launch `python -m nanoserve.cli serve MODEL --port P` with PYTHONPATH=TREE, poll /health every 50 ms,
+and stop the server with SIGINT. Given several `--tree`s (a checkout before a change and one after),
+the runs alternate between them, so that both meet the same load. Each run also reads the time
+stamps of the server's own log lines, so the result says where the time goes: `stages_s` holds,
+for the median run, the seconds from launch to the first line (the CLI's imports), to the line
+saying the model has loaded (the engine-core process spawned, torch imported there, the weights
+loaded), to the KV cache line (the pool allocated), and to healthy (warm-up and the first /health).
+`import_s` times `import torch` and `import nanoserve.cli` in fresh interpreters for comparison.
 
 `--model llama-3.2-1b-q8_0`: a Llama-3.2-1B-shaped checkpoint with random weights
 (`nanoserve.bench.shapes`), exported once to a Q8_0 GGUF (`peers.gguf_for`), both cached under
@@ -63,13 +64,14 @@ def logged_at(line: str, launched: float) -> float | None:
     return stamp.timestamp() - launched
 
 
-def one_run(model: str, port: int, serve_args: list[str]) -> dict[str, Any]:
-    """Launches the server, waits for /health 200, stops it; the seconds to healthy and to each
-    stage's log line (None for a line that never came)."""
+def one_run(tree: str, model: str, port: int, serve_args: list[str]) -> dict[str, Any]:
+    """Launches the server of the checkout at `tree`, waits for /health 200, stops it; the seconds
+    to healthy and to each stage's log line (None for a line that never came)."""
     cmd = [sys.executable, "-m", "nanoserve.cli", "serve", *([model] if model else []), "--port", str(port),
            *serve_args]
     started, launched = time.monotonic(), time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            env={**os.environ, "PYTHONPATH": tree})
     seen: dict[str, float] = {}
 
     def read_log() -> None:
@@ -101,11 +103,11 @@ def one_run(model: str, port: int, serve_args: list[str]) -> dict[str, Any]:
     return {"healthy": healthy, **{stage: seen.get(stage) for stage, _ in STAGES}}
 
 
-def import_seconds(statement: str) -> float:
+def import_seconds(tree: str, statement: str) -> float:
     """Seconds a fresh interpreter takes to run `statement` (an import), less an empty one's start."""
     def timed(code: str) -> float:
         t = time.monotonic()
-        subprocess.run([sys.executable, "-c", code], check=True)
+        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": tree})
         return time.monotonic() - t
 
     timed(statement)  # warm the page cache
@@ -121,30 +123,39 @@ def cpu_name() -> str:
     return platform.machine()
 
 
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median, min and max seconds to healthy, and the stages of the median run."""
+    runs = sorted(runs, key=lambda r: r["healthy"])
+    healthy = [r["healthy"] for r in runs]
+    return {"healthy_s": {"median": round(statistics.median(healthy), 2), "min": round(min(healthy), 2),
+                          "max": round(max(healthy), 2)},
+            "stages_s": {k: None if v is None else round(v, 2) for k, v in runs[len(runs) // 2].items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--port", type=int, default=18400)
+    parser.add_argument("--tree", action="append", default=[],
+                        help="a checkout to serve from (repeatable: runs alternate between them; default: this one)")
     parser.add_argument("--serve-arg", action="append", default=[], help="one more flag for `serve` (repeatable)")
     args = parser.parse_args()
+    trees = args.tree or [str(Path(__file__).resolve().parents[1])]
     model = model_argument(args.model)
-    one_run(model, args.port, args.serve_arg)  # warm-up, untimed
-    runs = []
+    runs: dict[str, list[dict[str, Any]]] = {tree: [] for tree in trees}
+    for tree in trees:
+        one_run(tree, model, args.port, args.serve_arg)  # warm-up, untimed
     for i in range(args.runs):
-        runs.append(one_run(model, args.port, args.serve_arg))
-        print(f"run {i + 1}: healthy after {runs[-1]['healthy']:.2f} s", file=sys.stderr, flush=True)
-    runs.sort(key=lambda r: r["healthy"])
-    median = runs[len(runs) // 2]
-    healthy = [r["healthy"] for r in runs]
+        for tree in trees:
+            runs[tree].append(one_run(tree, model, args.port, args.serve_arg))
+            print(f"run {i + 1}, {tree}: healthy after {runs[tree][-1]['healthy']:.2f} s", file=sys.stderr, flush=True)
     print(json.dumps({
         "model": args.model, "file": model or "demo", "runs": args.runs,
-        "healthy_s": {"median": round(statistics.median(healthy), 2), "min": round(min(healthy), 2),
-                      "max": round(max(healthy), 2)},
-        "stages_s": {k: None if v is None else round(v, 2) for k, v in median.items()},
-        "import_s": {"torch": import_seconds("import torch"), "nanoserve.cli": import_seconds("import nanoserve.cli")},
-        "cpu": cpu_name(), "cores": os.cpu_count(),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "trees": {tree: {**summary(runs[tree]), "import_s": {
+            "torch": import_seconds(tree, "import torch"),
+            "nanoserve.cli": import_seconds(tree, "import nanoserve.cli")}} for tree in trees},
+        "cpu": cpu_name(), "cores": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2),
     }))
 
 
