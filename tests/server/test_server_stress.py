@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -32,6 +31,7 @@ from support.server import (
     make_engine,
     metric_value,
     pace,
+    post_and_hang_up,
     serve,
     sse_payloads,
     wait_idle,
@@ -83,12 +83,8 @@ def test_a_non_stream_disconnect_aborts_and_frees_every_block(engine: LLMEngine,
     release = hold_after_first_output(engine, monkeypatch)  # it cannot end before the client gives up
     with serve(engine) as (url, app):
         generated = engine.num_generated_tokens
-        body = json.dumps({**STREAM, "stream": False}).encode()
-        host, port = url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=60) as client:  # a client that hangs up
-            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
-            _wait_for(lambda: engine.num_generated_tokens > generated)  # it runs (and waits, held)
+        post_and_hang_up(url, "/v1/completions", {**STREAM, "stream": False},
+                         lambda: engine.num_generated_tokens > generated)  # once it runs (and waits, held)
         wait_idle(app, timeout=30)
         release.set()
         assert engine.num_generated_tokens - generated < 100

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -97,6 +98,23 @@ def gate_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, ready: Callab
         return not opened
 
     hold_steps(engine, monkeypatch, closed, timeout)
+
+
+def post_and_hang_up(url: str, path: str, body: dict[str, Any], until: Callable[[], bool],
+                     headers: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+    """POSTs `body` as JSON on a socket of its own and closes the connection, unanswered, once
+    `until()` is true: a client that leaves at a point the test chooses, not after a timeout."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = {"Host": host, "Content-Type": "application/json", "Content-Length": str(len(payload)), **(headers or {})}
+    fields = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    request = f"POST {path} HTTP/1.1\r\n{fields}\r\n"
+    deadline = time.monotonic() + timeout
+    with socket.create_connection((host, int(port)), timeout=timeout) as client:
+        client.sendall(request.encode() + payload)
+        while not until():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
 
 
 def wait_idle(app: FastAPI, timeout: float = 20.0) -> None:
