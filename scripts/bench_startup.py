@@ -76,10 +76,11 @@ def one_run(tree: str, model: str, port: int, serve_args: list[str]) -> dict[str
 
     def read_log() -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            for stage, words in STAGES:
-                if stage not in seen and words in line and "/health" not in line:
-                    seen[stage] = logged_at(line, launched) or time.monotonic() - started
+        for text in proc.stdout:
+            for line in text.split("\r"):  # a progress bar's redraws share a line with the next record
+                for stage, words in STAGES:
+                    if stage not in seen and words in line and '"GET /health' not in line:
+                        seen[stage] = logged_at(line, launched) or time.monotonic() - started
 
     reader = threading.Thread(target=read_log, daemon=True)
     reader.start()
