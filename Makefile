@@ -14,10 +14,12 @@ MODEL_FLAGS ?= $(if $(filter smollm2-135m-instruct,$(MODEL)),--quantization dens
 
 .PHONY: setup model serve test
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	python3 -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
+	@command -v $${CXX:-g++} >/dev/null || echo "make: no C++ compiler ($${CXX:-g++}): nanoserve's CPU kernels will not be built (torch computes instead); install g++ first for them"
+	@echo "make: installing nanoserve; its build compiles the CPU kernels (a few minutes on 2 cores)"
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
 	touch $@
 

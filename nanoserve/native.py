@@ -1,15 +1,19 @@
-"""nanoserve's CPU kernel library: the C++ in `csrc/`, compiled at first use and loaded with ctypes.
+"""nanoserve's CPU kernel library: the C++ in `csrc/`, compiled when the package is installed (or,
+failing that, at first use) and loaded with ctypes.
 
-The sources (`paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`, `quant.cpp` (products with GGUF
-block-quantized weights), and `decoder.cpp`, which composes the others; headers `simd.h` and
-`kernels.h`, and quant.cpp's own `quant_isa.h`, `quant_blocks.h`, `quant_dot.h` and `quant_amx.h`)
-include no torch header and need no ninja: one `g++ -O3 -march=native -fopenmp` call builds them.
-The instruction set flags (`-march=native` by default) are a parameter, so that tests can build the
-same sources for an older CPU (e.g. without VNNI) beside the native build.
-OpenMP resolves to the libgomp that torch has already loaded (same soname). The library goes to
-$NANOSERVE_CACHE/kernels under a name that hashes the sources, the flags, the compiler's version and
-the CPU's feature flags (it is built for the CPU it runs on); it is written under a temporary name
-and renamed into place, so a concurrent process sees either no file or a whole one.
+The sources (every file in `csrc/`: `paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`,
+`quant.cpp` (products with GGUF block-quantized weights), `decoder.cpp`, which composes the others,
+and their headers) include no torch header and need no ninja: one `g++ -O3 -fopenmp` call builds
+them (`kernel_build`, which owns the sources, the flags and the build).
+
+Which library loads: the package build (`setup.py`) compiles one library per x86-64 instruction set
+level into `nanoserve/kernels/`, and `load_cpu_kernels` takes the best one this CPU runs, provided
+it was built from the current sources. Otherwise (a source checkout edited since install, a CPU
+below every level, an install without a compiler) it compiles the sources for this CPU
+(`-march=native`) into $NANOSERVE_CACHE/kernels, under a name that hashes the sources, the flags,
+the compiler's version and the CPU's feature flags, saying so in the log while it compiles. The
+instruction set flags are a parameter, so that tests can build the same sources for an older CPU
+(e.g. without VNNI) beside the native build.
 
 `kernels.h` declares every entry point (each source includes it, so a definition that drifts from
 its declaration fails to compile); `SIGNATURES` here gives each its ctypes result and argument
@@ -18,8 +22,9 @@ name)` (ctypes keeps that object on the library) and call it.
 
 Invariants: `load_cpu_kernels` returns a loaded library or None (with a warning saying why); it
 never raises for a missing or failing compiler, so callers can fall back to torch. It loads the
-library once per process for each compiler and cache folder (a loaded shared library is global to
-the process anyway), and asks the compiler its version and hashes the sources once per process.
+library once per process for each compiler, cache folder, instruction set and prebuilt folder (a
+loaded shared library is global to the process anyway), and asks the compiler its version and
+hashes the sources once per process.
 """
 
 from __future__ import annotations
@@ -29,26 +34,21 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
-import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from nanoserve import kernel_build
 from nanoserve.cache import cache_root
+from nanoserve.kernel_build import CSRC, FLAGS, NATIVE_ISA, PREBUILT
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in (
-    "paged_attention.cpp", "layer_ops.cpp", "linear.cpp", "quant.cpp", "decoder.cpp"))
-HEADERS = tuple(CSRC / name for name in (
-    "simd.h", "kernels.h", "quant_isa.h", "quant_blocks.h", "quant_dot.h", "quant_amx.h"))
-FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-NATIVE_ISA = ("-march=native",)  # the instruction set flags of the build for this CPU
+__all__ = ["CSRC", "DTYPE_SUFFIX", "FLAGS", "NATIVE_ISA", "SIGNATURES", "load_cpu_kernels"]
 # The element types the kernels are built for, and the suffix of each entry point's name.
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -118,27 +118,33 @@ SIGNATURES: dict[str, Signature] = {
 }
 
 
-def load_cpu_kernels(cache_dir: Path | None = None, isa: tuple[str, ...] = NATIVE_ISA) -> ctypes.CDLL | None:
-    """The library (compiled first if this machine has no build of the current sources yet), its
-    entry points declared as `SIGNATURES` says; None (with a warning) when it cannot be built or
-    loaded. `isa`: the instruction set flags to build for (a CPU this one can run). Cached: later
-    calls with the same compiler ($CXX), cache folder and flags return the same object."""
-    return _load(os.environ.get("CXX", "g++"), (cache_dir or cache_root()) / "kernels", isa)
+def load_cpu_kernels(cache_dir: Path | None = None, isa: tuple[str, ...] | None = None,
+                     prebuilt: Path | None = PREBUILT) -> ctypes.CDLL | None:
+    """The library, its entry points declared as `SIGNATURES` says; None (with a warning) when it
+    cannot be had. `isa` None: the best library in `prebuilt` (the package build's) for this CPU if
+    it was built from the current sources, else one compiled for this CPU (`NATIVE_ISA`) in the
+    cache folder (compiled first if this machine has no build of the current sources yet). `isa`
+    given: a build for those instruction set flags (a CPU this one can run), compiled likewise.
+    Cached: later calls with the same arguments and compiler ($CXX) return the same object."""
+    return _load(os.environ.get("CXX", "g++"), (cache_dir or cache_root()) / "kernels", isa, prebuilt)
 
 
 @functools.cache
-def _load(compiler: str, folder: Path, isa: tuple[str, ...]) -> ctypes.CDLL | None:
-    if shutil.which(compiler) is None:
-        log.warning("no C++ compiler (%s) found; nanoserve's CPU kernels are off", compiler)
-        return None
-    try:
-        path = folder / f"nanoserve_cpu-{_build_key(compiler, isa)}.so"
-        if not path.exists():
-            _compile(compiler, isa, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
-        log.warning("nanoserve's CPU kernels could not be built or loaded (%s); using torch", detail)
+def _load(compiler: str, folder: Path, isa: tuple[str, ...] | None, prebuilt: Path | None) -> ctypes.CDLL | None:
+    lib = None
+    if isa is None and prebuilt is not None:
+        found = kernel_build.prebuilt_library(prebuilt)
+        if found.path is None:
+            log.debug("%s; building the CPU kernels for this CPU", found.reason)
+        else:
+            try:
+                lib = ctypes.CDLL(str(found.path))
+            except OSError as exc:
+                log.warning("the prebuilt CPU kernels %s did not load (%s); building them for this CPU", found.path,
+                            exc)
+    if lib is None:
+        lib = _build_and_load(compiler, folder, isa or NATIVE_ISA)
+    if lib is None:
         return None
     for name, (restype, argtypes) in SIGNATURES.items():
         fn = getattr(lib, name)
@@ -146,37 +152,33 @@ def _load(compiler: str, folder: Path, isa: tuple[str, ...]) -> ctypes.CDLL | No
     return lib
 
 
+def _build_and_load(compiler: str, folder: Path, isa: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library built for `isa` in `folder` (compiled first when missing), or None with a warning."""
+    if shutil.which(compiler) is None:
+        log.warning("no C++ compiler (%s) found and no prebuilt kernel library for these sources and this CPU; "
+                    "nanoserve's CPU kernels are off (torch computes instead)", compiler)
+        return None
+    try:
+        path = folder / f"nanoserve_cpu-{_build_key(compiler, isa)}.so"
+        if not path.exists():
+            log.info("compiling the CPU kernels (once, ~2-3 min on 2 cores) into %s ...", path)
+            started = time.monotonic()
+            kernel_build.compile_library(compiler, isa, path)
+            log.info("compiled the CPU kernels in %.0f s", time.monotonic() - started)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+        log.warning("nanoserve's CPU kernels could not be built or loaded (%s); using torch", detail)
+        return None
+
+
 @functools.cache
 def _build_key(compiler: str, isa: tuple[str, ...]) -> str:
-    """What names a build: a hash of the sources, the flags, the compiler's version and the CPU's
-    features. Raises CalledProcessError when the compiler does not run."""
+    """What names an on-demand build: a hash of the sources and flags, the instruction set flags,
+    the compiler's version and the CPU's features. Raises CalledProcessError when the compiler
+    does not run."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in (*SOURCES, *HEADERS)), " ".join((*FLAGS, *isa)).encode(), version.encode(),
-                 _cpu_features().encode()):
-        key.update(part)
+    for part in (kernel_build.source_hash(), " ".join(isa), version, " ".join(sorted(kernel_build.cpu_flags()))):
+        key.update(part.encode() + b"\0")
     return key.hexdigest()[:16]
-
-
-def _compile(compiler: str, isa: tuple[str, ...], path: Path) -> None:
-    """Builds the library under a temporary name beside `path` and renames it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        log.info("compiling nanoserve's CPU kernels into %s (first use)", path)
-        subprocess.run([compiler, *FLAGS, *isa, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                       check=True)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def _cpu_features() -> str:
-    """The CPU's feature flags (Linux), else the platform's processor string: what -march=native
-    compiled for."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()

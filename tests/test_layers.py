@@ -39,7 +39,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nanoserve.model.families",),
     ("nanoserve.attention",),
     ("nanoserve.native",),
-    ("nanoserve.kv", "nanoserve.tokenizer", "nanoserve.cache", "nanoserve.log", "nanoserve.settings"),
+    ("nanoserve.kv", "nanoserve.tokenizer", "nanoserve.cache", "nanoserve.log", "nanoserve.settings",
+     "nanoserve.kernel_build"),
 )
 
 

@@ -18,6 +18,7 @@ import torch
 from nanoserve.attention import AttentionBackend, TorchAttention
 from nanoserve.engine.batch import PreparedBatch, prepare_batch
 from nanoserve.engine.cuda_graph import DecodeGraphs
+from nanoserve.engine.kv_memory import zeroed_pool
 from nanoserve.engine.model_protocol import KVShape, Model
 from nanoserve.engine.outputs import PromptLogprob
 from nanoserve.engine.pooling import Pooled, Pooler
@@ -70,8 +71,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.pooler = Pooler()
         # Zero-filled: padded block-table reads are masked, and a zero never turns into NaN.
-        self.kv_cache = torch.zeros(kv_shape.num_layers, 2, num_blocks, block_size, kv_shape.num_kv_heads,
-                                    kv_shape.head_dim, dtype=model.dtype, device=device)
+        self.kv_cache = zeroed_pool((kv_shape.num_layers, 2, num_blocks, block_size, kv_shape.num_kv_heads,
+                                     kv_shape.head_dim), model.dtype, device)
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None  # set by `use_decode_graphs`
         # Steps whose products all run in C++ anyway go through the decoder in one native call.

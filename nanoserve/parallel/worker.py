@@ -24,6 +24,7 @@ import torch
 
 from nanoserve.attention import select_backend
 from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.kv_memory import zeroed_pool
 from nanoserve.model import load_model
 from nanoserve.model.layer_ops import select_layer_ops
 from nanoserve.parallel.group import Rendezvous, TensorParallelGroup
@@ -58,8 +59,8 @@ def run_worker(args: EngineArgs, rendezvous: Rendezvous, rank: int) -> None:
     if setup.context:
         model.use_context(setup.context)
     cfg = model.cfg
-    kv_cache = torch.zeros(cfg.num_hidden_layers, 2, setup.num_blocks, setup.block_size, cfg.num_key_value_heads,
-                           cfg.head_dim, dtype=model.dtype, device=device)
+    kv_cache = zeroed_pool((cfg.num_hidden_layers, 2, setup.num_blocks, setup.block_size, cfg.num_key_value_heads,
+                            cfg.head_dim), model.dtype, device)
     backend = select_backend(args.attention_backend, device)
     log.info("tensor-parallel rank %d of %d ready (%s, %d KV blocks)", rank, group.world_size, device,
              setup.num_blocks)

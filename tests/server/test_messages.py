@@ -33,7 +33,15 @@ from nanoserve.server.protocol.errors import APIError
 from nanoserve.server.serving_messages import ContentBlocks
 from nanoserve.tokenizer import Tokenizer
 
-from support.server import SERVED, make_engine, metric_value, pace, serve, wait_idle
+from support.server import (
+    SERVED,
+    hold_after_first_output,
+    make_engine,
+    metric_value,
+    post_and_hang_up,
+    serve,
+    wait_idle,
+)
 from support.successor_model import set_successors, successor_checkpoint
 from support.tool_calls import CALL, CALL_PIECES, CALL_TEXT
 
@@ -391,20 +399,21 @@ def test_thinking_maps_onto_the_template(thinking: Any, reads: bool, thinks: boo
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_aborts_its_request(server: tuple[str, FastAPI], engine: LLMEngine,
                                                  monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
-    """Steps of 0.5 s: the client leaves after the first event (or a 0.5 s read timeout), seconds
-    before the reply's nine tokens would end it; the request is aborted and its blocks freed."""
+    """The engine holds after the reply's first token, so the client leaves (after the first event,
+    or once the request runs) before the reply could end; the request is aborted and its blocks
+    freed with no further step."""
     url, app = server
-    pace(engine, monkeypatch, 0.5)
-    before = aborted(url)
+    release = hold_after_first_output(engine, monkeypatch)
+    before, generated = aborted(url), engine.num_generated_tokens
     body = {**GOOD, "max_tokens": 64, "stream": stream}
     if stream:
         with httpx.stream("POST", f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
             assert next(r.iter_lines()) == "event: message_start"
     else:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY},
-                       timeout=httpx.Timeout(60, read=0.5))
-    wait_idle(app)
+        post_and_hang_up(url, "/v1/messages", body, lambda: engine.num_generated_tokens > generated,
+                         headers={"x-api-key": KEY})
+    wait_idle(app, timeout=30)
+    release.set()
     assert aborted(url) == before + 1
 
 

@@ -32,7 +32,7 @@ from nanoserve.server import ServerConfig
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.tokenizer import Tokenizer
 
-from support.server import SERVED, make_engine, metric_value, pace, serve, wait_idle
+from support.server import SERVED, hold_after_first_output, make_engine, metric_value, serve, wait_idle
 from support.successor_model import set_successors, successor_checkpoint
 from support.tool_calls import CALL, CALL_PIECES
 
@@ -606,20 +606,21 @@ def test_output_items_for_any_split(cuts: list[int]) -> None:
 
 
 def test_a_stream_disconnect_aborts(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A client that leaves mid-stream aborts its request (the demo model, paced so that its
-    reply outlives the client) and frees every block."""
-    pace(engine, monkeypatch)
+    """A client that leaves mid-stream aborts its request (the demo model, held after its first
+    token so that its reply outlives the client) and frees every block."""
     body = {"input": "Tell me a long story about a dragon.", "max_output_tokens": 100, "temperature": 0.0,
             "stream": True}
     with serve(engine) as (url, app):
         whole = httpx.post(f"{url}/v1/responses", json={**body, "stream": False}, timeout=60).json()
         assert whole["usage"]["output_tokens"] > 10  # long enough to leave it after a few tokens
         generated = engine.num_generated_tokens
+        release = hold_after_first_output(engine, monkeypatch)
         with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=60) as r:
             for line in r.iter_lines():
-                if line.startswith("data: ") and engine.num_generated_tokens - generated >= 3:
+                if line.startswith("data: "):
                     break  # leaving the block closes the connection mid-stream
-        wait_idle(app, timeout=10)
+        wait_idle(app, timeout=30)  # the abort alone ends it: the engine takes no step meanwhile
+        release.set()
         assert engine.num_generated_tokens - generated < whole["usage"]["output_tokens"]
         aborted = 'nanoserve:request_finished_total{finished_reason="abort"}'
         assert metric_value(httpx.get(f"{url}/metrics").text, aborted) == 1

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import io
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +25,9 @@ from nanoserve.engine.llm_engine import LLMEngine
 from support.server import (
     ENGINE_ARGS,
     SERVED,
+    gate_steps,
+    hold_after_first_output,
     metric_value,
-    pace,
     sse_payloads,
     wait_idle,
 )
@@ -91,15 +93,21 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
 
 
 def test_raw_sse_framing(url: str, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    pace(engine, monkeypatch)
+    release = hold_after_first_output(engine, monkeypatch)
     body = {"model": SERVED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "n": 2,
             "stream": True, "stream_options": {"include_usage": True}, **LONG, **GREEDY}
     reads: list[bytes] = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        reads.extend(r.iter_raw())
-    assert len(reads) > 2  # events reach the client as they are generated, not in one piece
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            chunks = r.iter_raw()
+            reads.append(next(chunks))  # while the engine waits after its first output: the rest is not made yet
+            release.set()
+            reads.extend(chunks)
+    finally:
+        release.set()
+    assert len(reads) >= 2 and b"[DONE]" not in reads[0]  # events reach the client as they are generated
     payloads = sse_payloads(b"".join(reads))
     assert len({p["id"] for p in payloads}) == 1
     assert all(p["object"] == "chat.completion.chunk" and p["model"] == SERVED for p in payloads)
@@ -168,7 +176,7 @@ def test_every_sdk_field_and_nulls(client: openai.OpenAI, url: str) -> None:
 
 
 def test_async_streams_share_one_batch(url: str, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    pace(engine, monkeypatch)
+    gate_steps(engine, monkeypatch, lambda: len(engine.scheduler.waiting) + len(engine.scheduler.running) >= 8)
     widest = [0]
     step = engine.step
 
@@ -193,7 +201,7 @@ def test_async_streams_share_one_batch(url: str, engine: LLMEngine, monkeypatch:
 
     results = asyncio.run(main())
     assert all(streamed == whole for streamed, whole in results)
-    assert widest[0] >= 6  # the streams ran together in one batch
+    assert widest[0] == 8  # the streams ran together in one batch
 
 
 def test_prefix_cache_reports_cached_tokens(client: openai.OpenAI) -> None:
@@ -274,16 +282,36 @@ def test_chat_command_reports_errors(url: str) -> None:
 
 
 def test_health_answers_while_busy(url: str, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine loop runs on its own thread: the event loop answers during generation."""
-    pace(engine, monkeypatch)
-    body = {"model": SERVED, "prompt": "busy", "max_tokens": 40, "stream": True, **LONG}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        next(lines)
-        started = time.monotonic()
-        assert httpx.get(f"{url}/health").status_code == 200
-        assert time.monotonic() - started < 2.0
-        assert [line for line in lines if line][-1] == "data: [DONE]"
+    """The engine loop runs on its own thread: the event loop answers /health while the engine's
+    thread computes in Python (here it spins, after its first output, until /health has answered)."""
+    answered = threading.Event()
+    spun_until_answered: list[bool] = []
+    produced = False
+    step = engine.step
+
+    def busy_step() -> Any:
+        nonlocal produced
+        if produced and not spun_until_answered:
+            deadline = time.monotonic() + 60
+            while not answered.is_set() and time.monotonic() < deadline:
+                sum(range(1000))  # holds the interpreter lock but for its switch interval
+            spun_until_answered.append(answered.is_set())
+        out = step()
+        produced = produced or bool(out.deltas)
+        return out
+
+    monkeypatch.setattr(engine, "step", busy_step)
+    body = {"model": SERVED, "prompt": "busy", "max_tokens": 4, "stream": True, **LONG}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)  # the first output is out: the engine's thread spins now
+            assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+            answered.set()
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+    finally:
+        answered.set()
+    assert spun_until_answered == [True]
 
 
 def test_nanoserve_chat_command(url: str, demo_dir: Path, monkeypatch: pytest.MonkeyPatch,

@@ -24,7 +24,18 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server import ServerConfig, build_app
 from nanoserve.server.http_server import ServerThread
 
-from support.server import SERVED, make_engine, metric_value, pace, serve, sse_payloads, wait_idle
+from support.server import (
+    SERVED,
+    hold_after_first_output,
+    hold_steps,
+    make_engine,
+    metric_value,
+    pace,
+    post_and_hang_up,
+    serve,
+    sse_payloads,
+    wait_idle,
+)
 
 LONG = {"ignore_eos": True}
 STREAM = {"model": SERVED, "prompt": "go on and on", "max_tokens": 100, "stream": True, **LONG}
@@ -53,29 +64,40 @@ def _wait_for(predicate: Any, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_stream_disconnect_aborts_and_frees_every_block(engine: LLMEngine) -> None:
+def test_a_stream_disconnect_aborts_and_frees_every_block(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = hold_after_first_output(engine, monkeypatch)  # it cannot end before the client leaves
     with serve(engine) as (url, app):
         generated = engine.num_generated_tokens
         with httpx.stream("POST", f"{url}/v1/completions", json=STREAM, timeout=60) as r:
             for line in r.iter_lines():
-                if line.startswith("data: ") and engine.num_generated_tokens - generated >= 3:
+                if line.startswith("data: "):
                     break  # leaving the block closes the connection mid-stream
-        wait_idle(app, timeout=10)
+        wait_idle(app, timeout=30)  # the abort alone ends it: the engine takes no step meanwhile
+        release.set()
         assert engine.num_generated_tokens - generated < 100  # it did not run to the end
         assert _aborted(url) == 1
 
 
-def test_a_non_stream_disconnect_aborts_and_frees_every_block(engine: LLMEngine) -> None:
+def test_a_non_stream_disconnect_aborts_and_frees_every_block(engine: LLMEngine,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    release = hold_after_first_output(engine, monkeypatch)  # it cannot end before the client gives up
     with serve(engine) as (url, app):
         generated = engine.num_generated_tokens
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/completions", json={**STREAM, "stream": False}, timeout=httpx.Timeout(60, read=0.5))
-        wait_idle(app, timeout=10)
+        post_and_hang_up(url, "/v1/completions", {**STREAM, "stream": False},
+                         lambda: engine.num_generated_tokens > generated)  # once it runs (and waits, held)
+        wait_idle(app, timeout=30)
+        release.set()
         assert engine.num_generated_tokens - generated < 100
         assert _aborted(url) == 1
 
 
-def test_a_waiting_request_that_disconnects_leaves_the_queue(engine: LLMEngine) -> None:
+def test_a_waiting_request_that_disconnects_leaves_the_queue(engine: LLMEngine,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def both_streaming() -> bool:  # the two that run stay mid-stream until the test is done
+        running = engine.scheduler.running
+        return len(running) == 2 and all(s.num_output_tokens for s in running)
+
+    release = hold_steps(engine, monkeypatch, both_streaming)
     with serve(engine) as (url, app), contextlib.ExitStack() as streams:
         for _ in range(2):
             streams.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=STREAM, timeout=60))
@@ -85,6 +107,7 @@ def test_a_waiting_request_that_disconnects_leaves_the_queue(engine: LLMEngine) 
         _wait_for(lambda: app.state.engine.snapshot.num_waiting == 0)
         assert app.state.engine.snapshot.num_running == 2
         assert _aborted(url) == 1
+        release.set()
         streams.close()
         wait_idle(app, timeout=10)
 

@@ -1,13 +1,15 @@
 """Helpers for the server tests (no tests here): a demo engine served on a loopback port, a wait
-for the KV pool to be free again, and a strict parser of SSE bytes."""
+for the KV pool to be free again, a strict parser of SSE bytes, and the ways a test orders the
+engine's steps against its clients (`hold_after_first_output`, `gate_steps`) instead of racing them."""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from fastapi import FastAPI
 
 from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.outputs import StepOutput
 from nanoserve.runtime.builder import build_engine
 from nanoserve.server import ServerConfig, build_app
 from nanoserve.server.http_server import ServerThread
@@ -51,24 +54,67 @@ def pace(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.
     monkeypatch.setattr(engine, "step", paced_step)
 
 
-def hold_after_first_output(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Makes the engine wait before each step once a step has produced output, until the returned
-    event is set (at most 60 s a step): whatever the machine's load, a request that has streamed its
-    first output is still running until the test lets the engine go on."""
+def hold_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool],
+               timeout: float = 60.0) -> threading.Event:
+    """Makes the engine take no step while `when()` (called on the engine's thread before each step)
+    is true, until the returned event is set or the hold has lasted `timeout` seconds. A held step
+    waits a little and returns no output, so the engine's loop goes on taking commands: requests
+    added wait, aborts are applied and free their blocks. Whatever the machine's load, what a test
+    saw running is still running, at the same point, until the test lets the engine go on."""
     step = engine.step
     release = threading.Event()
-    produced = False
+    held_since: float | None = None
 
-    def held_step() -> Any:
-        nonlocal produced
-        if produced:
-            release.wait(60)
-        out = step()
-        produced = produced or bool(out.deltas)
-        return out
+    def held_step() -> StepOutput:
+        nonlocal held_since
+        if not release.is_set() and when():
+            held_since = held_since or time.monotonic()
+            if time.monotonic() - held_since < timeout:
+                time.sleep(0.005)
+                return StepOutput([])
+        return step()
 
     monkeypatch.setattr(engine, "step", held_step)
     return release
+
+
+def hold_after_first_output(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """`hold_steps` once the engine has generated a token: a request that has streamed its first
+    output is still running until the test sets the returned event."""
+    start = engine.num_generated_tokens
+    return hold_steps(engine, monkeypatch, lambda: engine.num_generated_tokens > start)
+
+
+def gate_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, ready: Callable[[], bool],
+               timeout: float = 60.0) -> None:
+    """`hold_steps` until `ready()` is first true (or `timeout` has passed), then steps as usual:
+    what a test needs in the engine together is all there before the first step, however the
+    machine's load spaces the requests' arrivals."""
+    opened = False
+
+    def closed() -> bool:
+        nonlocal opened
+        opened = opened or ready()
+        return not opened
+
+    hold_steps(engine, monkeypatch, closed, timeout)
+
+
+def post_and_hang_up(url: str, path: str, body: dict[str, Any], until: Callable[[], bool],
+                     headers: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+    """POSTs `body` as JSON on a socket of its own and closes the connection, unanswered, once
+    `until()` is true: a client that leaves at a point the test chooses, not after a timeout."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = {"Host": host, "Content-Type": "application/json", "Content-Length": str(len(payload)), **(headers or {})}
+    fields = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    request = f"POST {path} HTTP/1.1\r\n{fields}\r\n"
+    deadline = time.monotonic() + timeout
+    with socket.create_connection((host, int(port)), timeout=timeout) as client:
+        client.sendall(request.encode() + payload)
+        while not until():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
 
 
 def wait_idle(app: FastAPI, timeout: float = 20.0) -> None:
