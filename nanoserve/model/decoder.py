@@ -1,4 +1,6 @@
-"""The decoder shared by the Llama, Qwen2, Qwen3 and Mistral families.
+"""The decoder shared by every family: Llama's pre-norm layer and the variants a family's
+`LayerShape` declares (sandwich and post norms, GeGLU, q/k norms over the projection, scaled
+embeddings, interleaved local and global layers, a final logit softcap).
 
 `CausalLM.forward` takes one flat batch: the new tokens of many sequences concatenated, with
 explicit positions and the attention metadata that says where each token's K/V goes and which
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
-from nanoserve.model.config import ModelConfig
+from nanoserve.model.config import ModelConfig, RopeScaling
 from nanoserve.model.layer_ops import LayerOps, TorchLayerOps
 from nanoserve.model.layers import RMSNorm, SwiGLU, empty_param, rope_cos_sin, rope_inv_freq
 from nanoserve.model.quant.quant_config import QuantConfig
@@ -24,8 +26,9 @@ from nanoserve.model.quant.weight_formats import LinearWeight
 
 class Attention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projection, optional q/k bias (Qwen2) and
-    optional per-head RMSNorm on q and k before rotary (Qwen3). The matrices of layer `layer` take
-    the formats `quant` gives them."""
+    optional RMSNorm on q and k before rotary, per head (Qwen3, Gemma 3) or over the whole
+    projection (OLMo 2). A local layer (`window` set) attends to its last `window` positions only.
+    The matrices of layer `layer` take the formats `quant` gives them."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
@@ -34,15 +37,18 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
         self.eps = cfg.rms_norm_eps
+        self.window = cfg.layer_windows[layer] if cfg.layer_windows else None
+        self.norm_over_projection = cfg.qk_norm_over == "projection"
         self.qkv_proj = quant.make_weight(layer, "self_attn.qkv_proj",
                                           (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)),
                                           cfg.hidden_size, dtype)
         self.qkv_bias = empty_param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.attention_bias else None
         self.o_proj = quant.make_weight(layer, "self_attn.o_proj", ((None, cfg.hidden_size),), self.q_size, dtype)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        q_dim, k_dim = (self.q_size, self.kv_size) if self.norm_over_projection else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, ops: LayerOps) -> torch.Tensor:
@@ -50,35 +56,66 @@ class Attention(nn.Module):
         qkv = ops.linear(x, self.qkv_proj, self.qkv_bias)
         q_weight = None if self.q_norm is None else self.q_norm.weight
         k_weight = None if self.k_norm is None else self.k_norm.weight
+        if self.norm_over_projection and q_weight is not None and k_weight is not None:
+            qk = self.q_size + self.kv_size
+            qkv = torch.cat((ops.rms_norm(qkv[:, : self.q_size].contiguous(), q_weight, self.eps),
+                             ops.rms_norm(qkv[:, self.q_size: qk].contiguous(), k_weight, self.eps),
+                             qkv[:, qk:]), dim=1)
+            q_weight = k_weight = None
         q, k = ops.qk_norm_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, q_weight, k_weight,
                                 self.eps)
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        o = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.window)
         return ops.linear(o.reshape(n, self.q_size), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block on a residual stream: h += attn(norm(h)); h += mlp(norm(h)). Each add is
-    fused into the norm after it (`LayerOps.rms_norm` with a residual), so a layer takes the previous
-    sublayer's output, adds it into the stream first, and returns its own MLP's output unadded."""
+    """A block on a residual stream: h += out(attn(pre(h))); h += out(mlp(pre(h))), where `pre` is
+    a norm for "pre" and "sandwich" layers and the identity for "post" ones, and `out` a norm for
+    "sandwich" and "post" layers and the identity for "pre" ones (`ModelConfig.norms`). Each add is
+    fused into the norm after it (`LayerOps.rms_norm` with a residual) or done in place where there
+    is none, so a layer takes the previous sublayer's output, adds it into the stream first, and
+    returns its own MLP's output (normed, if `out` is a norm) unadded.
+
+    Norms: `input_layernorm` before attention, `post_attention_layernorm` before the MLP (Llama's
+    names; both None for "post" layers), `attn_output_norm` and `mlp_output_norm` after each
+    sublayer (None for "pre" layers). The MLP's gate takes SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        pre, out = cfg.norms != "post", cfg.norms != "pre"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if pre else None
         self.self_attn = Attention(cfg, dtype, quant, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if out else None
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if pre else None
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, quant, layer)
+        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if out else None
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.local = bool(cfg.layer_windows) and cfg.layer_windows[layer] is not None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
                 ops: LayerOps) -> torch.Tensor:
         """`x` is added into `residual` (in place) before anything else; returns the MLP's output,
         which the caller adds in the same way."""
-        norm = self.input_layernorm
-        h = self.self_attn(ops.rms_norm(x, norm.weight, norm.eps, residual), cos, sin, kv_cache, meta, backend, ops)
-        norm, mlp = self.post_attention_layernorm, self.mlp
-        h = ops.silu_mul(ops.linear(ops.rms_norm(h, norm.weight, norm.eps, residual), mlp.gate_up_proj))
-        return ops.linear(h, mlp.down_proj)
+        h = self.self_attn(_enter(x, residual, self.input_layernorm, ops), cos, sin, kv_cache, meta, backend, ops)
+        h = _leave(h, self.attn_output_norm, ops)
+        gate_up = ops.linear(_enter(h, residual, self.post_attention_layernorm, ops), self.mlp.gate_up_proj)
+        h = ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up)
+        return _leave(ops.linear(h, self.mlp.down_proj), self.mlp_output_norm, ops)
+
+
+def _enter(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm | None, ops: LayerOps) -> torch.Tensor:
+    """Adds `x` into `residual` in place and returns the sublayer's input: the norm of the sum, or
+    with no norm the stream itself (the sublayer reads it before the next add changes it)."""
+    if norm is None:
+        return residual.add_(x)
+    return ops.rms_norm(x, norm.weight, norm.eps, residual)
+
+
+def _leave(h: torch.Tensor, norm: RMSNorm | None, ops: LayerOps) -> torch.Tensor:
+    """A sublayer's output as it enters the stream: normed when the layer norms its outputs."""
+    return h if norm is None else ops.rms_norm(h, norm.weight, norm.eps)
 
 
 class CausalLM(nn.Module):
@@ -89,10 +126,12 @@ class CausalLM(nn.Module):
     input tokens, in `dtype`), and with tied embeddings (`lm_head` None) it is the LM head too. `ops`
     carries out the products and elementwise steps (`TorchLayerOps` unless the engine picks fused
     kernels for its device).
-    `inv_freq` is fixed at construction (no loader writes it), so the rotary tables of `rope`,
-    built from it at first use, stay valid."""
+    `inv_freq` (and `local_inv_freq`, the local layers' when they rotate by a base of their own) is
+    fixed at construction (no loader writes it), so the rotary tables of `rope`, built from it at
+    first use, stay valid."""
 
     inv_freq: torch.Tensor  # a buffer (registered in __init__)
+    local_inv_freq: torch.Tensor | None
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None = None) -> None:
         super().__init__()
@@ -111,30 +150,41 @@ class CausalLM(nn.Module):
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False
         )
-        # Per dtype: cos and sin [table_len, 1, head_dim] on the CPU (see `rope`).
-        self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        local = None if cfg.local_rope_theta is None else rope_inv_freq(cfg.head_dim, cfg.local_rope_theta,
+                                                                        RopeScaling())
+        self.register_buffer("local_inv_freq", local, persistent=False)
+        self.embed_scale = cfg.embed_scale
+        self.final_logit_softcap = cfg.final_logit_softcap
+        # Per (dtype, local): cos and sin [table_len, 1, head_dim] on the CPU (see `rope`).
+        self._rope_tables: dict[tuple[torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype,
+             local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [num_tokens, 1, head_dim] of `positions` (non-negative), bit for bit what
         `rope_cos_sin` computes. On the CPU they are rows of a table of the positions below a power
         of two (at least 1024) past the largest position seen so far, built for each dtype by
         `rope_cos_sin` itself and rebuilt twice as long when a position passes it (torch gives each
         element of cos and sin the same bits whatever the tensor's size or split among threads).
         Other devices compute them directly: the table's size check would wait for the device, and
-        the few elementwise kernels cost little there."""
+        the few elementwise kernels cost little there. `local`: the local layers' rotation."""
+        inv_freq = self.local_inv_freq if local else self.inv_freq
+        assert inv_freq is not None, "this model has no local rotary base"
         if positions.device.type != "cpu" or positions.numel() == 0:
-            return rope_cos_sin(positions, self.inv_freq, dtype)
-        cos, sin = self.rope_tables(int(positions.max()) + 1, dtype)
+            return rope_cos_sin(positions, inv_freq, dtype)
+        cos, sin = self.rope_tables(int(positions.max()) + 1, dtype, local)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def rope_tables(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, num_positions: int, dtype: torch.dtype,
+                    local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The CPU tables cos and sin [table_len, 1, head_dim] (contiguous; row p for position p) of
         `rope`, with table_len >= num_positions."""
-        tables = self._rope_tables.get(dtype)
+        tables = self._rope_tables.get((dtype, local))
         if tables is None or tables[0].shape[0] < num_positions:
+            inv_freq = self.local_inv_freq if local else self.inv_freq
+            assert inv_freq is not None, "this model has no local rotary base"
             size = max(1024, 1 << (num_positions - 1).bit_length())
-            tables = rope_cos_sin(torch.arange(size), self.inv_freq, dtype)
-            self._rope_tables[dtype] = tables
+            tables = rope_cos_sin(torch.arange(size), inv_freq, dtype)
+            self._rope_tables[(dtype, local)] = tables
         return tables
 
     @torch.inference_mode()
@@ -148,10 +198,14 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, hidden_size] (normed)."""
         residual = self.embed(input_ids)
+        if self.embed_scale is not None:
+            residual.mul_(torch.tensor(self.embed_scale, dtype=residual.dtype))
         cos, sin = self.rope(positions, residual.dtype)
+        local = self.rope(positions, residual.dtype, local=True) if self.local_inv_freq is not None else (cos, sin)
         x = torch.zeros_like(residual)  # what the first layer adds into the stream
         for i, layer in enumerate(self.layers):
-            x = layer(x, residual, cos, sin, kv_caches[i], meta, backend, self.ops)
+            c, s = local if layer.local else (cos, sin)
+            x = layer(x, residual, c, s, kv_caches[i], meta, backend, self.ops)
         return self.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -161,8 +215,12 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [n, vocab] for the given rows of hidden states."""
-        return self.ops.linear(hidden, self.head).float()
+        """fp32 logits [n, vocab] for the given rows of hidden states (softcapped, cap *
+        tanh(logits / cap), where the model declares a final logit softcap)."""
+        logits = self.ops.linear(hidden, self.head).float()
+        if self.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
 
     @property
     def head(self) -> LinearWeight:
