@@ -3,8 +3,9 @@
 Same metadata keys, tensor names and tensor types as the converter (names and GGUF architecture
 from the model's family, `nanoserve.model.families`): Q and K rows of architectures that store
 them interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept
-F32, tied embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight`
-factors, the tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its
+F32 (with the family's `LayerShape.norm_offset` added, as the converter writes Gemma's 1 + w), tied
+embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight` factors,
+local layers as the sliding window, its rotary base and the flags of the local layers, the tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its
 pre-tokenizer name, special ids and chat template (through `gguf.SpecialVocab`, as the converter
 does). One addition llama.cpp ignores: ROPE_SCALING_KEY keeps the exact llama3 rope parameters,
 which the factors alone do not determine.
@@ -68,6 +69,7 @@ def export_gguf(
                     folder.name, cfg.sliding_window, arch.name)
     writer = gguf.GGUFWriter(out, arch.name, use_temp_file=True)
     _write_hparams(writer, arch, cfg, ftype, folder.name)
+    _write_layer_shape(writer, cfg)
     _write_tokenizer(writer, folder, cfg.vocab_size)
     for name, tensor in _gguf_tensors(folder, cfg, family, arch):
         kind = _tensor_type(name, tensor.shape, qtype)
@@ -112,6 +114,23 @@ def _write_hparams(
         writer.add_string(ROPE_SCALING_KEY, json.dumps(spec))
 
 
+def _write_layer_shape(writer: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """What a family whose layers differ from Llama's needs beyond `_write_hparams` (the keys
+    `gguf_reader._layer_shape_config` reads)."""
+    if cfg.final_logit_softcap is not None:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcap)
+    if not cfg.layer_windows:
+        return
+    window = next((w for w in cfg.layer_windows if w is not None), None)
+    if window is not None:
+        writer.add_sliding_window(window)
+    writer.add_sliding_window_pattern([w is not None for w in cfg.layer_windows])
+    if cfg.local_rope_theta is not None:
+        writer.add_rope_freq_base_swa(cfg.local_rope_theta)
+    if cfg.attn_scale is not None:
+        writer.add_attention_scale(cfg.attn_scale)
+
+
 def _gguf_tensors(
     folder: Path, cfg: ModelConfig, family: Family, arch: GGUFArch
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -130,6 +149,8 @@ def _gguf_tensors(
         rows = ref.tensor.rows
         if arch.interleaved_rotary and rows is not None and rows in heads:
             tensor = permute_rotary(tensor, heads[rows])
+        if family.layer.norm_offset and ref.tensor.param.endswith("norm.weight"):
+            tensor = tensor.float() + family.layer.norm_offset
         yield ref.gguf_name, tensor
 
 
