@@ -5,8 +5,8 @@ from the model's family, `nanoserve.model.families`): Q and K rows of architectu
 them interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept
 F32 (with the family's `LayerShape.norm_offset` added, as the converter writes Gemma's 1 + w), tied
 embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight` factors,
-local layers as the sliding window, its rotary base and the flags of the local layers, the tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its
-pre-tokenizer name, special ids and chat template (through `gguf.SpecialVocab`, as the converter
+local layers as the sliding window, its rotary base and one flag per layer (true: local), the
+tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its pre-tokenizer name, special ids and chat template (through `gguf.SpecialVocab`, as the converter
 does). One addition llama.cpp ignores: ROPE_SCALING_KEY keeps the exact llama3 rope parameters,
 which the factors alone do not determine.
 """

@@ -337,10 +337,8 @@ def _layer_shape_config(meta: dict[str, Any], family: Family, heads: int, hidden
     local = ([bool(x) for x in pattern] if isinstance(pattern, list)
              else [(i + 1) % int(pattern) != 0 for i in range(layers)])
     scale = meta.get(f"{arch}.attention.scale")
-    if scale:
-        scalar = float(f"{float(scale) ** -2:.6g}")
-    else:
-        scalar = hidden // heads if layers == 62 else head_dim
+    default_scalar = hidden // heads if layers == 62 else head_dim
+    scalar = float(f"{float(scale) ** -2:.6g}") if scale else default_scalar
     out.update({
         "sliding_window": _require(meta, f"{arch}.attention.sliding_window"),
         "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
