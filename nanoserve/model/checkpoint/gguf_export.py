@@ -1,14 +1,15 @@
 """Writes a GGUF file from a Hugging Face folder, as llama.cpp's `convert_hf_to_gguf.py` would.
 
-Same metadata keys, tensor names and tensor types as the converter (names and GGUF architecture
-from the model's family, `nanoserve.model.families`): Q and K rows of architectures that store
-them interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept
-F32 (with the family's `LayerShape.norm_offset` added, as the converter writes Gemma's 1 + w), tied
+Same metadata keys, tensor names and tensor types as the converter (names and GGUF architecture from
+the model's family, `nanoserve.model.families`): Q and K rows of architectures that store them
+interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept F32
+(with the family's `LayerShape.norm_offset` added, as the converter writes Gemma's 1 + w), tied
 embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight` factors,
 local layers as the sliding window, its rotary base and one flag per layer (true: local), the
-tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its pre-tokenizer name, special ids and chat template (through `gguf.SpecialVocab`, as the converter
-does). One addition llama.cpp ignores: ROPE_SCALING_KEY keeps the exact llama3 rope parameters,
-which the factors alone do not determine.
+tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its pre-tokenizer name,
+special ids and chat template (through `gguf.SpecialVocab`, as the converter does). One addition
+llama.cpp ignores: ROPE_SCALING_KEY keeps the exact llama3 rope parameters, which the factors alone
+do not determine.
 """
 
 from __future__ import annotations
