@@ -134,6 +134,37 @@ def test_matches_transformers_through_gguf(checkpoints, references, tmp_path, na
     _check(_llm(gguf_path, "paged"), references[name], paged=True)
 
 
+def test_text_decoder_of_a_multimodal_gemma3_checkpoint(checkpoints, tmp_path_factory, demo_dir, one_torch_thread):
+    """A Gemma3ForConditionalGeneration checkpoint (its text decoder nested in `text_config` and
+    under `language_model.`, beside a vision tower) runs its text decoder: the same greedy tokens
+    and logprobs as transformers' multimodal model on text prompts."""
+    import transformers
+
+    text = json.loads((checkpoints["gemma3-untied-mqa"] / "config.json").read_text())
+    text["tie_word_embeddings"] = True
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    vocab = text["vocab_size"]
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                    image_token_index=vocab - 1, boi_token_index=vocab - 2, eoi_token_index=vocab - 3)
+    torch.manual_seed(11)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("gemma3-multimodal")
+    model.save_pretrained(path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_dir / file, path / file)
+    reference = []
+    for prompt in _prompts(vocab):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        reference.append((out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float().log_softmax(-1)))
+    _check(_llm(path, "paged"), reference, paged=True)
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention"),
