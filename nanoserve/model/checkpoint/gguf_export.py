@@ -27,6 +27,8 @@ from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType, TokenType
 
 from nanoserve.model.checkpoint.gguf_reader import (
+    LOCAL_PATTERN,
+    LOCAL_ROPE_BASE,
     ROPE_FREQS,
     ROPE_SCALING_KEY,
     llama3_rope_factors,
@@ -117,7 +119,10 @@ def _write_hparams(
 
 def _write_layer_shape(writer: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     """What a family whose layers differ from Llama's needs beyond `_write_hparams` (the keys
-    `gguf_reader._layer_shape_config` reads)."""
+    `gguf_reader._layer_shape_config` reads): the final softcap, the sliding window, and where they
+    differ from what llama.cpp assumes for files without them (every sixth layer global, a local
+    rotary base of 10000, 1/sqrt(head_dim) attention scale), the local layers' flags, their rotary
+    base and the attention scale. So a real checkpoint's file carries the converter's keys only."""
     if cfg.final_logit_softcap is not None:
         writer.add_final_logit_softcapping(cfg.final_logit_softcap)
     if not cfg.layer_windows:
@@ -125,10 +130,12 @@ def _write_layer_shape(writer: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     window = next((w for w in cfg.layer_windows if w is not None), None)
     if window is not None:
         writer.add_sliding_window(window)
-    writer.add_sliding_window_pattern([w is not None for w in cfg.layer_windows])
-    if cfg.local_rope_theta is not None:
+    local = [w is not None for w in cfg.layer_windows]
+    if local != [(i + 1) % LOCAL_PATTERN != 0 for i in range(cfg.num_hidden_layers)]:
+        writer.add_sliding_window_pattern(local)
+    if cfg.local_rope_theta is not None and cfg.local_rope_theta != LOCAL_ROPE_BASE:
         writer.add_rope_freq_base_swa(cfg.local_rope_theta)
-    if cfg.attn_scale is not None:
+    if cfg.attn_scale is not None and cfg.attn_scale != cfg.head_dim**-0.5:
         writer.add_attention_scale(cfg.attn_scale)
 
 

@@ -84,6 +84,20 @@ def expected_keys(model: CausalLM, family: Family) -> set[str]:
     return keys
 
 
+def expected_shapes(model: CausalLM, family: Family) -> dict[str, tuple[int, ...]]:
+    """Every tensor a complete checkpoint of `model` holds (`expected_keys`), Hugging Face name to
+    shape, in checkpoint order: the embedding, each layer's tensors as `family` declares them, the
+    final norm and (untied) LM head. `model` may live on the meta device."""
+    def shape(owner: nn.Module, t: TensorName) -> tuple[int, ...] | None:
+        dest = _destination(owner, t)
+        return None if dest is None else tuple(dest.shape)
+
+    shapes = {t.hf: s for t in family.global_tensors[:1] if (s := shape(model, t)) is not None}
+    for i, layer in enumerate(model.layers):
+        shapes |= {f"model.layers.{i}.{t.hf}": s for t in family.layer_tensors if (s := shape(layer, t)) is not None}
+    return shapes | {t.hf: s for t in family.global_tensors[1:] if (s := shape(model, t)) is not None}
+
+
 @torch.no_grad()
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedRows]], family: Family) -> None:
     """Copies checkpoint tensors (Hugging Face names of `family`) into the model: each destination
