@@ -180,3 +180,24 @@ def test_unsupported_gemma3_fields_are_named(checkpoints, tmp_path, field, value
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match=message):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["gemma3-tied-gqa", "olmo2-tied-mqa"])
+def test_paths_that_implement_llama_layers_only_decline(checkpoints, name):
+    """Tensor parallelism refuses these layers by name; the native decoder is not built for them
+    (the Python forward runs) and refuses to be constructed directly."""
+    from nanoserve.attention import select_backend
+    from nanoserve.model.layer_ops import CpuLayerOps, select_layer_ops
+    from nanoserve.model.native_decoder import NativeDecoder
+    from nanoserve.parallel.megatron import shard_config
+
+    loaded = load_model(checkpoints[name], dtype=torch.float32)
+    with pytest.raises(ValueError, match="tensor parallelism does not implement"):
+        shard_config(loaded.config, 2)
+    if shutil.which("g++") is None:
+        return
+    loaded.model.ops = ops = select_layer_ops("cpu", torch.device("cpu"), torch.float32)
+    assert isinstance(ops, CpuLayerOps)
+    assert NativeDecoder.build(loaded.model, select_backend("cpu", torch.device("cpu"))) is None
+    with pytest.raises(ValueError, match="does not implement"):
+        NativeDecoder(loaded.model, ops)
