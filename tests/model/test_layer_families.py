@@ -137,7 +137,8 @@ def test_matches_transformers_through_gguf(checkpoints, references, tmp_path, na
 def test_text_decoder_of_a_multimodal_gemma3_checkpoint(checkpoints, tmp_path_factory, demo_dir, one_torch_thread):
     """A Gemma3ForConditionalGeneration checkpoint (its text decoder nested in `text_config` and
     under `language_model.`, beside a vision tower) runs its text decoder: the same greedy tokens
-    and logprobs as transformers' multimodal model on text prompts."""
+    and logprobs as transformers' multimodal model on text prompts, also from the GGUF file its
+    text decoder exports to."""
     import transformers
 
     text = json.loads((checkpoints["gemma3-untied-mqa"] / "config.json").read_text())
@@ -163,6 +164,9 @@ def test_text_decoder_of_a_multimodal_gemma3_checkpoint(checkpoints, tmp_path_fa
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         reference.append((out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float().log_softmax(-1)))
     _check(_llm(path, "paged"), reference, paged=True)
+    gguf_path = export_gguf(path, tmp_path_factory.mktemp("gemma3-multimodal-gguf") / "text.gguf")
+    assert load_model(gguf_path).config == load_model(path).config
+    _check(_llm(gguf_path, "paged"), reference, paged=True)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

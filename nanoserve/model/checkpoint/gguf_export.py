@@ -147,11 +147,14 @@ def _gguf_tensors(
     if cfg.rope_scaling.rope_type == "llama3":
         yield ROPE_FREQS, llama3_rope_factors(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
-    for hf_name, tensor in iter_safetensors(safetensors_files(folder)):
+    for stored_name, tensor in iter_safetensors(safetensors_files(folder)):
+        hf_name = family.causal_name(stored_name)
         tied_head = cfg.tie_word_embeddings and hf_name == "lm_head.weight"
         if tied_head or hf_name.endswith("rotary_emb.inv_freq"):
             continue
         ref = family.tensor_by_hf(hf_name)
+        if ref is None and family.text_prefixes and hf_name == stored_name:
+            continue  # a multimodal checkpoint's vision tower or projector: text only is written
         if ref is None:
             raise ValueError(f"checkpoint tensor {hf_name} has no GGUF equivalent for {cfg.family}")
         rows = ref.tensor.rows

@@ -59,9 +59,9 @@ def _hf_name(family: Family, name: str) -> str:
     """The name as a `*ForCausalLM` checkpoint writes it: one saved from the bare decoder (a
     `*Model`, as embedding models such as Qwen3-Embedding are) lacks the `model.` prefix, and a
     multimodal one nests its text decoder under one of the family's `text_prefixes`."""
-    for prefix, causal in family.text_prefixes:
-        if name.startswith(prefix):
-            return causal + name[len(prefix):]
+    causal = family.causal_name(name)
+    if causal != name:
+        return causal
     if family.tensor_by_hf(name) is None and family.tensor_by_hf("model." + name) is not None:
         return "model." + name
     return name

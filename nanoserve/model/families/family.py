@@ -157,6 +157,14 @@ class Family:
         if unknown:
             raise ValueError(f"family {self.name!r} accepts activations the decoder lacks: {unknown}")
 
+    def causal_name(self, hf_name: str) -> str:
+        """The name a `*ForCausalLM` checkpoint gives a tensor that a multimodal one stores under
+        one of `text_prefixes`; any other name as it is."""
+        for prefix, causal in self.text_prefixes:
+            if hf_name.startswith(prefix):
+                return causal + hf_name[len(prefix):]
+        return hf_name
+
     def tensor_by_hf(self, hf_name: str) -> TensorRef | None:
         """The tensor a Hugging Face name denotes, or None if the family has no such tensor."""
         m = _HF_LAYER.match(hf_name)
