@@ -86,7 +86,8 @@ def load_paged_attention(cache_dir: Path | None = None) -> PagedAttentionKernel 
 class CpuPagedAttention(TorchAttention):
     """Every query, whatever its length, through `PagedAttentionKernel` in one call per layer;
     anything the kernel does not take (a dtype other than fp32/bf16, a head size it has no build
-    for, a non-CPU tensor), through `TorchAttention`."""
+    for, a non-CPU tensor, a local layer's step in which some sequence is longer than the window:
+    the kernel has no window), through `TorchAttention`."""
 
     def __init__(self, kernel: PagedAttentionKernel) -> None:
         super().__init__()
@@ -100,9 +101,11 @@ class CpuPagedAttention(TorchAttention):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        if q.device.type != "cpu" or not self.kernel.supports(q.dtype, q.shape[2]) or kv_cache.dtype != q.dtype:
-            return super().forward(q, k, v, kv_cache, meta, scale)
+        if (q.device.type != "cpu" or not self.kernel.supports(q.dtype, q.shape[2]) or kv_cache.dtype != q.dtype
+                or (window is not None and max(meta.seq_lens_cpu, default=0) > window)):
+            return super().forward(q, k, v, kv_cache, meta, scale, window)
         self.kernel.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
         self.kernel(q, kv_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,

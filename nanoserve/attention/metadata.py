@@ -72,7 +72,11 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Writes the new K/V of a step into the paged cache, then attends every query token to its
-    sequence's cached keys (causally among the new tokens). Stateless between calls."""
+    sequence's cached keys (causally among the new tokens). Stateless between calls.
+
+    `window` (a local layer's sliding window): the query at position p attends to the keys at
+    positions p - window < j <= p only. The cache still holds every position (blocks that fell out
+    of a window are not freed: the global layers of the same sequence read them)."""
 
     @abstractmethod
     def forward(
@@ -83,5 +87,6 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -5,7 +5,8 @@ padded block tables, in chunks of similar context length whose K/V stays in cach
 gather and the attention. Sequences with a short query (at most `SHORT_QUERY_MAX` new tokens: a decode
 step carrying speculative drafts, or a small prefill chunk) are attended likewise in one batched
 call, their queries padded to the longest and masked causally with the cached prefix in front.
-Longer prefill chunks are attended one sequence at a time.
+Longer prefill chunks are attended one sequence at a time. A local layer's window is one more
+bound in each path's mask.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class TorchAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -92,7 +94,10 @@ class TorchAttention(AttentionBackend):
         for a, b in decode_chunks(meta.seq_lens_cpu[:nd], bs, self.decode_chunk_tokens):
             nblk = -(-max(meta.seq_lens_cpu[a:b]) // bs)
             tables = meta.block_tables[a:b]
-            mask = torch.arange(nblk * bs, device=q.device) < meta.seq_lens[a:b, None]
+            keys = torch.arange(nblk * bs, device=q.device)
+            mask = keys < meta.seq_lens[a:b, None]
+            if window is not None:
+                mask &= keys >= meta.seq_lens[a:b, None] - window
             # The query heads that share a KV head enter as that head's query rows (no GQA
             # expansion): one pass over each KV head's keys serves all of them.
             kd, vd = _gather_kv(kv_cache, tables, nblk)
@@ -103,15 +108,15 @@ class TorchAttention(AttentionBackend):
         qsl = meta.query_start_loc_cpu
         short = [s for s in range(nd, meta.num_seqs) if qsl[s + 1] - qsl[s] <= SHORT_QUERY_MAX]
         if short:
-            self._short_queries(q, k_cache, v_cache, meta, short, scale, out)
+            self._short_queries(q, k_cache, v_cache, meta, short, scale, out, window)
         long = [s for s in range(nd, meta.num_seqs) if qsl[s + 1] - qsl[s] > SHORT_QUERY_MAX]
         if long:
-            self._attend_long(q, k_cache, v_cache, meta, long, scale, out)
+            self._attend_long(q, k_cache, v_cache, meta, long, scale, out, window)
         return out
 
     @staticmethod
     def _attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     seqs: list[int], scale: float, out: torch.Tensor) -> None:
+                     seqs: list[int], scale: float, out: torch.Tensor, window: int | None = None) -> None:
         """Attends the queries of `seqs` one sequence at a time (one SDPA call over its gathered
         context each, causal among its new tokens) and writes the results into `out`."""
         qsl = meta.query_start_loc_cpu
@@ -124,9 +129,12 @@ class TorchAttention(AttentionBackend):
             ks = k_cache.index_select(0, blocks).view(-1, kvh, d)[:seq_len].transpose(0, 1)
             vs = v_cache.index_select(0, blocks).view(-1, kvh, d)[:seq_len].transpose(0, 1)
             mask = None
-            if seq_len != q_len:
+            if seq_len != q_len or (window is not None and window < seq_len):
                 rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+                keys = torch.arange(seq_len, device=q.device)[None, :]
+                mask = keys <= rows
+                if window is not None:
+                    mask &= keys > rows - window
             o = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1), ks, vs, attn_mask=mask, is_causal=mask is None,
                 scale=scale, enable_gqa=True,
@@ -135,7 +143,7 @@ class TorchAttention(AttentionBackend):
 
     @staticmethod
     def _short_queries(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                       seqs: list[int], scale: float, out: torch.Tensor) -> None:
+                       seqs: list[int], scale: float, out: torch.Tensor, window: int | None = None) -> None:
         """Attends the queries of `seqs` in one call: each query padded to the longest by repeating
         its last token (whose result is dropped), and query i of sequence s attending to key
         positions <= seq_len - q_len + i. Writes the results into `out`. When `seqs` are consecutive
@@ -149,7 +157,10 @@ class TorchAttention(AttentionBackend):
         offset = np.minimum(np.arange(width), q_lens[:, None] - 1)  # [n, width], padding repeats the last
         key_limit = torch.from_numpy(lens[:, None] - q_lens[:, None] + offset).to(q.device)  # last visible key
         nblk = -(-int(lens.max()) // meta.block_size)
-        mask = torch.arange(nblk * meta.block_size, device=q.device) <= key_limit[:, :, None]
+        keys = torch.arange(nblk * meta.block_size, device=q.device)
+        mask = keys <= key_limit[:, :, None]
+        if window is not None:
+            mask &= keys > key_limit[:, :, None] - window
         uniform = seqs[-1] - seqs[0] == n - 1 and int(q_lens.min()) == width
         if uniform:
             tables = meta.block_tables[seqs[0] : seqs[-1] + 1]

@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
+from nanoserve.attention.torch_ref import TorchAttention
 
 
 def _load_kernels() -> ModuleType:
@@ -60,7 +61,13 @@ class TritonAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """A local layer's step (`window` set) goes through `TorchAttention` (the kernels have no
+        window), whose steps are not graph-safe: the builder captures no CUDA graphs for models with
+        local layers."""
+        if window is not None:
+            return TorchAttention().forward(q, k, v, kv_cache, meta, scale, window)
         kern = self.kernels
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -30,7 +30,10 @@ from safetensors.torch import save_file
 
 from nanoserve.cache import cache_root
 from nanoserve.model import demo
+from nanoserve.model.checkpoint.weights import expected_shapes
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.decoder import CausalLM
+from nanoserve.model.families import FAMILIES
 
 _COMMON: dict[str, Any] = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02,
                            "use_cache": True, "torch_dtype": "bfloat16", "bos_token_id": None}
@@ -51,7 +54,27 @@ PRESETS: dict[str, dict[str, Any]] = {
                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
                      "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
                      "tie_word_embeddings": True},
+    # google/gemma-3-270m config.json (268M parameters, 170M of them the embedding).
+    "gemma-3-270m": {**_COMMON, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                     "hidden_act": None, "hidden_activation": "gelu_pytorch_tanh", "vocab_size": 262144,
+                     "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+                     "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                     "rope_local_base_freq": 10000.0, "rope_scaling": None, "sliding_window": 512,
+                     "layer_types": [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention")
+                                     for i in range(18)],
+                     "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
+                     "attn_logit_softcapping": None, "attention_bias": False, "tie_word_embeddings": True},
 }
+# The same widths with other layers: a Llama and an OLMo 2 decoder of Gemma-3-270M's size, so that
+# a family's layers are compared at equal bytes per token.
+PRESETS["llama-as-gemma-3-270m"] = {
+    **{k: v for k, v in PRESETS["gemma-3-270m"].items()
+       if k not in ("hidden_activation", "rope_local_base_freq", "sliding_window", "layer_types",
+                    "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping")},
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+PRESETS["olmo2-as-gemma-3-270m"] = {**PRESETS["llama-as-gemma-3-270m"], "architectures": ["Olmo2ForCausalLM"],
+                                    "model_type": "olmo2"}
 FORMAT_VERSION = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -83,38 +106,20 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def random_weights(config: dict[str, Any], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, bf16 tensor) for every parameter of the config, in checkpoint order."""
+    """(HF name, bf16 tensor) for every parameter of the config, in checkpoint order, named as its
+    family declares them: matrices and biases normal, norms whose effective weight is 1 (1 less the
+    family's norm offset, as Gemma stores them)."""
     cfg = ModelConfig.from_hf_dict(config)
+    family = FAMILIES[cfg.family]
     gen = torch.Generator().manual_seed(seed)
     std = float(config.get("initializer_range", 0.02))
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-
-    def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
-
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    yield "model.embed_tokens.weight", normal(cfg.vocab_size, h)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", ones(h)
-        for proj, rows in (("q", cfg.num_attention_heads * d), ("k", cfg.num_key_value_heads * d),
-                           ("v", cfg.num_key_value_heads * d)):
-            yield p + f"self_attn.{proj}_proj.weight", normal(rows, h)
-            if cfg.attention_bias:
-                yield p + f"self_attn.{proj}_proj.bias", normal(rows)
-        yield p + "self_attn.o_proj.weight", normal(h, cfg.num_attention_heads * d)
-        if cfg.qk_norm:
-            yield p + "self_attn.q_norm.weight", ones(d)
-            yield p + "self_attn.k_norm.weight", ones(d)
-        yield p + "post_attention_layernorm.weight", ones(h)
-        yield p + "mlp.gate_proj.weight", normal(inter, h)
-        yield p + "mlp.up_proj.weight", normal(inter, h)
-        yield p + "mlp.down_proj.weight", normal(h, inter)
-    yield "model.norm.weight", ones(h)
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", normal(cfg.vocab_size, h)
+    with torch.device("meta"):
+        model = CausalLM(cfg, torch.bfloat16)
+    for name, shape in expected_shapes(model, family).items():
+        if name.endswith("norm.weight"):
+            yield name, torch.full(shape, 1.0 - family.layer.norm_offset, dtype=torch.bfloat16)
+        else:
+            yield name, (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
 
 
 def shape_checkpoint(name: str, overrides: dict[str, Any] | None = None, seed: int = 0,

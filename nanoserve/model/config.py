@@ -1,10 +1,12 @@
 """Model configuration: one frozen description of a decoder, read from a Hugging Face `config.json`.
 
-The supported families (`nanoserve.model.families`) share one decoder shape and differ only in a
-few switches recorded here: bias on q/k/v, RMSNorm on q and k, tied embeddings, the rotary
-scaling rule, partial rotary, rotary-free layers and scalar multipliers on the embedding, the
-residual adds, the attention scores and the logits. How a family's config.json sets them is the
-family's declaration; anything outside that set fails at load with a message that names it.
+The supported families (`nanoserve.model.families`) share one decoder and differ only in the
+switches recorded here: bias on q/k/v, RMSNorm on q and k (per head or over the projection), where
+the norms sit, the MLP's activation, per-layer sliding windows and rotary bases, tied embeddings,
+the rotary scaling rule, partial rotary, rotary-free layers, scalar multipliers on the embedding,
+the residual adds, the attention scores and the logits, and a final logit softcap. How a family's
+config.json sets them is the family's declaration; anything outside that set fails at load with a
+message that names it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry
+from nanoserve.model.families.family import ACTIVATIONS
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,11 @@ class ModelConfig:
 
     Invariants: `num_attention_heads % num_key_value_heads == 0`; `head_dim` is explicit (it need
     not equal hidden_size / num_attention_heads, as in Qwen3). `family` names a `Family` of the
-    registry the config was read with; `native_decoder` is that family's flag.
+    registry the config was read with; `native_decoder` is that family's flag. `layer_windows` is
+    empty or has one entry per layer: the window of a local layer (a query at position p attends
+    to positions > p - window), None for a global one; local layers rotate by `local_rope_theta`
+    without scaling. `sliding_window` is a window over every layer that the engine does not
+    implement (it caps the context instead; Mistral, Qwen under `use_sliding_window`).
     """
 
     family: str
@@ -75,13 +82,21 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     native_decoder: bool = True
     partial_rotary_factor: float = 1.0
-    # Granite's multipliers: of the embedding, of each sublayer's output before its residual add,
-    # of q.k (None: head_dim ** -0.5), and the divisor of the logits.
+    # Scalar multipliers: of the embedding (Granite's embedding_multiplier, Gemma's
+    # sqrt(hidden_size)), of each sublayer's output before its residual add (Granite), of q.k
+    # (None: head_dim ** -0.5; Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5),
+    # and the divisor of the logits (Granite).
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     no_rope_layers: tuple[int, ...] = ()  # layers whose attention has no rotary (SmolLM3)
+    norms: str = "pre"  # `LayerShape.norms`
+    qk_norm_over: str = "head"  # `LayerShape.qk_norm_over`
+    hidden_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = None
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap), after logits_scaling
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -125,7 +140,9 @@ class ModelConfig:
         if self.attention_bias:
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads)
         mlp = 3 * h * self.intermediate_size
-        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        heads = self.num_attention_heads + self.num_key_value_heads
+        qk_norms = heads * d if self.qk_norm_over == "projection" else 2 * d
+        norms = (4 if self.norms == "sandwich" else 2) * h + (qk_norms if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * (attn + mlp + norms) + embed + h
 
@@ -140,9 +157,19 @@ class ModelConfig:
                 f"unsupported architecture {cfg.get('architectures') or cfg.get('model_type')!r}; "
                 f"nanoserve supports {families.architectures}"
             )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        if family.text_prefixes and isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures"),
+                   **{k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg and k not in cfg["text_config"]}}
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        if act not in family.activations:
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; nanoserve implements "
+                                        f"{list(family.activations)} for {family.name}")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise UnsupportedModelError(f"unsupported config field attn_logit_softcapping="
+                                        f"{cfg['attn_logit_softcapping']} (nanoserve does not softcap attention "
+                                        "scores)")
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("unsupported config field use_bidirectional_attention=true")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("unsupported config field mlp_bias=true")
         if family.bias_switch is not None and cfg.get(family.bias_switch):
@@ -154,6 +181,8 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // heads
         rope = cfg.get("rope_parameters") or {}
+        local_rope = rope.get("sliding_attention") or {}
+        rope = rope.get("full_attention", rope)
         legacy = cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         max_len = cfg.get("max_position_embeddings", 2048)
@@ -165,8 +194,28 @@ class ModelConfig:
         if scaling.rope_type == "longrope" and not len(scaling.short_factor) == len(scaling.long_factor) == pairs:
             raise UnsupportedModelError(f"longrope short_factor and long_factor must have {pairs} entries (one per "
                                         "rotary frequency)")
+        shape = family.layer
+        windows: tuple[int | None, ...] = ()
+        local_theta = None
+        if shape.interleaved_windows:
+            windows = _layer_windows(cfg)
+            if local_rope.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"unsupported rope type {local_rope['rope_type']!r} for local layers")
+            local_theta = float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+        # The family's multipliers from config.json; Gemma's scales set the same fields.
+        multipliers: dict[str, float] = {name: float(cfg.get(name, default)) for name, default in family.multipliers}
+        if shape.embed_scale:
+            multipliers["embedding_multiplier"] = hidden**0.5
+        scalar = cfg.get("query_pre_attn_scalar")
+        if scalar is not None:
+            if "attention_multiplier" in multipliers:
+                raise UnsupportedModelError(f"unsupported config field query_pre_attn_scalar for {family.name} "
+                                            "(its attention scale is attention_multiplier)")
+            multipliers["attention_multiplier"] = float(scalar) ** -0.5
         switch = family.sliding_window_switch
         window = cfg.get("sliding_window") if switch is None or cfg.get(switch) else None
+        if shape.interleaved_windows:
+            window = None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -191,7 +240,13 @@ class ModelConfig:
             native_decoder=family.native_decoder,
             partial_rotary_factor=partial,
             no_rope_layers=_no_rope_layers(cfg) if family.no_rope_layers else (),
-            **{name: float(cfg.get(name, default)) for name, default in family.multipliers},
+            norms=shape.norms,
+            qk_norm_over=shape.qk_norm_over,
+            hidden_act=ACTIVATIONS[act],
+            layer_windows=windows,
+            local_rope_theta=local_theta,
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+            **multipliers,
         )
 
 
@@ -205,6 +260,23 @@ def _no_rope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     if len(flags) != cfg["num_hidden_layers"]:
         raise UnsupportedModelError(f"no_rope_layers has {len(flags)} entries for {cfg['num_hidden_layers']} layers")
     return tuple(i for i, flag in enumerate(flags) if not flag)
+
+
+def _layer_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's window from config.json's `layer_types` ("sliding_attention" or "full_attention"),
+    or else from `sliding_window_pattern` (every pattern-th layer global; 6 by default, as
+    transformers reads Gemma 3)."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
+        for i in range(n)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n:
+        raise UnsupportedModelError(f"unsupported layer_types {types!r}")
+    window = cfg.get("sliding_window")
+    if window is None and "sliding_attention" in types:
+        raise UnsupportedModelError("config.json has sliding_attention layers but no sliding_window")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _rope_scaling(spec: dict[str, Any], family: Family, max_len: int, original: int | None) -> RopeScaling:

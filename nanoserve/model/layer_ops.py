@@ -1,5 +1,6 @@
 """The computations of a decoder layer behind one interface: the matrix products, RMSNorm with the
-residual add before it, per-head q/k RMSNorm with rotary embedding, and SwiGLU's silu(gate) * up.
+residual add before it, per-head q/k RMSNorm with rotary embedding, SwiGLU's silu(gate) * up and
+GeGLU's gelu_tanh(gate) * up.
 
 `TorchLayerOps` is the reference: F.linear and the Hugging Face numerics of
 `nanoserve.model.layers`, on any device, capturable in CUDA graphs. `CpuLayerOps` runs the same
@@ -50,6 +51,8 @@ class LayerOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
 
 class TorchLayerOps:
     """The reference, in torch calls."""
@@ -87,6 +90,16 @@ class TorchLayerOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gelu(gate) * up with the tanh approximation of GELU (transformers' gelu_pytorch_tanh),
+    gate_up [..., 2 * inter] with the gate's columns first."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 # CpuLayerOps.linear's C++ product takes fp32 inputs of up to SMALL_M rows (MKL's GEMM is faster
@@ -240,6 +253,10 @@ class CpuLayerOps:
         self._silu[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                                   torch.get_num_threads())
         return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """In torch (no C++ step of its own yet): `gelu_tanh_mul`."""
+        return gelu_tanh_mul(gate_up)
 
 
 def embed_rows(ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:

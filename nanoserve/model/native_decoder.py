@@ -50,6 +50,8 @@ class NativeDecoder:
         if unreadable is not None:
             raise ValueError(f"the native decoder cannot read {unreadable}")
         cfg = model.cfg
+        if not cfg.native_decoder:
+            raise ValueError(f"the native decoder does not implement {cfg.family}'s layers")
         self.model = model
         self.dtype = model.dtype
         self.head_dim = cfg.head_dim
@@ -61,6 +63,7 @@ class NativeDecoder:
         self.layers = (LayerWeights * len(model.layers))()
         for slot, layer in zip(self.layers, model.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
+            assert layer.input_layernorm is not None and layer.post_attention_layernorm is not None
             vectors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": attn.qkv_bias,
                        "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
                        "k_norm": None if attn.k_norm is None else attn.k_norm.weight,

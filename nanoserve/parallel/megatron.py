@@ -32,7 +32,12 @@ from nanoserve.parallel.group import TensorParallelGroup
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """The shape one rank of `world_size` holds. Raises ValueError unless the query heads, the KV
-    heads and the intermediate size all divide evenly."""
+    heads and the intermediate size all divide evenly, and for layers other than Llama's pre-norm
+    ones (the shards copy only those norms; a q/k norm over the whole projection would need the
+    ranks' sums of squares)."""
+    if cfg.norms != "pre" or cfg.qk_norm_over != "head":
+        raise ValueError(f"tensor parallelism does not implement {cfg.family}'s layers "
+                         f"(norms={cfg.norms!r}, q/k norm over the {cfg.qk_norm_over})")
     sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
              "intermediate_size": cfg.intermediate_size}
     uneven = [f"{name}={size}" for name, size in sizes.items() if size % world_size]
@@ -69,6 +74,9 @@ class RowParallelOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.inner.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.inner.gelu_tanh_mul(gate_up)
 
     def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
         return self.inner.embed(ids, table)
@@ -146,8 +154,10 @@ def shard_model(full: CausalLM, group: TensorParallelGroup) -> TensorParallelCau
         for src_norm, dst_norm in ((a.q_norm, b.q_norm), (a.k_norm, b.k_norm)):
             if src_norm is not None and dst_norm is not None:
                 dst_norm.weight.copy_(src_norm.weight)
-        dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
-        dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+        for src_norm, dst_norm in ((src.input_layernorm, dst.input_layernorm),
+                                   (src.post_attention_layernorm, dst.post_attention_layernorm)):
+            if src_norm is not None and dst_norm is not None:
+                dst_norm.weight.copy_(src_norm.weight)
         inter = src.mlp.inter
         dst.mlp.gate_up_proj.copy_(_column_shard(_dense(src.mlp.gate_up_proj, f"layer {i} gate_up_proj"),
                                                  (inter, inter), rank, n))

@@ -124,11 +124,16 @@ def engine_from_model(model: Model, tokenizer: Tokenizer | None, kv_shape: KVSha
 
 def use_cuda_graphs(runner: ModelRunner, num_kv_heads: int, args: EngineArgs) -> None:
     """Captures the runner's decode steps as CUDA graphs on a CUDA device unless `enforce_eager`;
-    they need the Triton attention backend (its fixed-split decode path is graph-safe)."""
+    they need the Triton attention backend (its fixed-split decode path is graph-safe) and a model
+    without sliding-window layers (those attend through `TorchAttention`)."""
     if runner.device.type != "cuda" or args.enforce_eager:
         return
     if not isinstance(runner.backend, TritonAttention):
         log.info("CUDA graphs need the triton attention backend; decode steps run eagerly")
+        return
+    if isinstance(runner.model, CausalLM) and runner.model.cfg.layer_windows:
+        log.info("the model has sliding-window layers, which the triton kernels do not implement; "
+                 "decode steps run eagerly")
         return
     assert args.max_model_len is not None
     runner.use_decode_graphs(num_kv_heads, args.max_num_seqs, args.max_model_len)

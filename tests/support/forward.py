@@ -77,9 +77,9 @@ def paged_batch(specs: list[tuple[int, int]], block_size: int, num_blocks: int, 
     )
 
 
-def dense_attention(q, cache, meta, scale, num_heads, num_kv_heads):
+def dense_attention(q, cache, meta, scale, num_heads, num_kv_heads, window=None):
     """Each sequence's queries against its keys, by the formula: softmax(q k^T * scale) v with key
-    p visible to query i iff p <= seq_len - q_len + i."""
+    p visible to query i iff p <= seq_len - q_len + i (and, with a window, p > that - window)."""
     out = torch.empty_like(q)
     bs = meta.block_size
     for s, seq_len in enumerate(meta.seq_lens_cpu):
@@ -88,7 +88,10 @@ def dense_attention(q, cache, meta, scale, num_heads, num_kv_heads):
         keys = cache[0].flatten(0, 1)[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = cache[1].flatten(0, 1)[slots].repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end], keys) * scale
-        visible = torch.arange(seq_len)[None, :] <= torch.arange(end - start)[:, None] + seq_len - (end - start)
+        last = torch.arange(end - start)[:, None] + seq_len - (end - start)
+        visible = torch.arange(seq_len)[None, :] <= last
+        if window is not None:
+            visible &= torch.arange(seq_len)[None, :] > last - window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
     return out

@@ -1,15 +1,16 @@
 """Writes a GGUF file from a Hugging Face folder, as llama.cpp's `convert_hf_to_gguf.py` would.
 
-Same metadata keys, tensor names and tensor types as the converter (names and GGUF architecture
-from the model's family, `nanoserve.model.families`): Q and K rows of architectures that store
-them interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept
-F32, tied embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight`
-factors, LongRoPE as `rope_factors_long/short.weight` with its original context and attention
-factor (phi3), a family's multipliers and sliding window under the keys its `GGUFArch` names, the
-tokenizer as byte-level BPE ("gpt2") with tokens, token types, merges, its
-pre-tokenizer name, special ids and chat template (through `gguf.SpecialVocab`, as the converter
-does). One addition llama.cpp ignores: ROPE_SCALING_KEY keeps the exact llama3 rope parameters,
-which the factors alone do not determine.
+Same metadata keys, tensor names and tensor types as the converter (names and GGUF architecture from
+the model's family, `nanoserve.model.families`): Q and K rows of architectures that store them
+interleaved (`llama`: Llama, Mistral) permuted to that rotary layout, 1-D tensors and norms kept F32
+(with the family's `LayerShape.norm_offset` added, as the converter writes Gemma's 1 + w), tied
+embeddings written once (no `output.weight`), llama3 rope scaling as `rope_freqs.weight` factors,
+LongRoPE as `rope_factors_long/short.weight` with its original context and attention factor
+(phi3), a family's multipliers and sliding window under the keys its `GGUFArch` names, local layers
+as the sliding window, its rotary base and one flag per layer (true: local), the tokenizer as
+byte-level BPE ("gpt2") with tokens, token types, merges, its pre-tokenizer name, special ids and
+chat template (through `gguf.SpecialVocab`, as the converter does). One addition llama.cpp ignores:
+ROPE_SCALING_KEY keeps the exact llama3 rope parameters, which the factors alone do not determine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType, TokenType
 
 from nanoserve.model.checkpoint.gguf_reader import (
+    LOCAL_PATTERN,
+    LOCAL_ROPE_BASE,
     ROPE_FACTORS_LONG,
     ROPE_FACTORS_SHORT,
     ROPE_FREQS,
@@ -77,6 +80,7 @@ def export_gguf(
         raise ValueError(f"{folder.name}: llama.cpp's {arch.name} architecture has no LongRoPE")
     writer = gguf.GGUFWriter(out, arch.name, use_temp_file=True)
     _write_hparams(writer, arch, cfg, ftype, folder.name)
+    _write_layer_shape(writer, cfg)
     _write_tokenizer(writer, folder, cfg.vocab_size)
     for name, tensor in _gguf_tensors(folder, cfg, family, arch):
         kind = _tensor_type(name, tensor.shape, qtype)
@@ -132,6 +136,28 @@ def _every(interval: int, cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(i for i in range(cfg.num_hidden_layers) if (i + 1) % interval == 0)
 
 
+def _write_layer_shape(writer: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """What a family whose layers differ from Llama's needs beyond `_write_hparams` (the keys
+    `gguf_reader._layer_shape_config` reads): the final softcap, the sliding window, and where they
+    differ from what llama.cpp assumes for files without them (every sixth layer global, a local
+    rotary base of 10000, 1/sqrt(head_dim) attention scale), the local layers' flags, their rotary
+    base and the attention scale. So a real checkpoint's file carries the converter's keys only."""
+    if cfg.final_logit_softcap is not None:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcap)
+    if not cfg.layer_windows:
+        return
+    window = next((w for w in cfg.layer_windows if w is not None), None)
+    if window is not None:
+        writer.add_sliding_window(window)
+    local = [w is not None for w in cfg.layer_windows]
+    if local != [(i + 1) % LOCAL_PATTERN != 0 for i in range(cfg.num_hidden_layers)]:
+        writer.add_sliding_window_pattern(local)
+    if cfg.local_rope_theta is not None and cfg.local_rope_theta != LOCAL_ROPE_BASE:
+        writer.add_rope_freq_base_swa(cfg.local_rope_theta)
+    if cfg.attention_scale != cfg.head_dim**-0.5:
+        writer.add_attention_scale(cfg.attention_scale)
+
+
 def _gguf_tensors(
     folder: Path, cfg: ModelConfig, family: Family, arch: GGUFArch
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -144,16 +170,21 @@ def _gguf_tensors(
         yield ROPE_FACTORS_LONG, torch.tensor(cfg.rope_scaling.long_factor, dtype=torch.float32)
         yield ROPE_FACTORS_SHORT, torch.tensor(cfg.rope_scaling.short_factor, dtype=torch.float32)
     heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
-    for hf_name, tensor in iter_safetensors(safetensors_files(folder)):
+    for stored_name, tensor in iter_safetensors(safetensors_files(folder)):
+        hf_name = family.causal_name(stored_name)
         tied_head = cfg.tie_word_embeddings and hf_name == "lm_head.weight"
         if tied_head or hf_name.endswith("rotary_emb.inv_freq"):
             continue
         ref = family.tensor_by_hf(hf_name)
+        if ref is None and family.text_prefixes and hf_name == stored_name:
+            continue  # a multimodal checkpoint's vision tower or projector: text only is written
         if ref is None:
             raise ValueError(f"checkpoint tensor {hf_name} has no GGUF equivalent for {cfg.family}")
         rows = ref.tensor.rows
         if arch.interleaved_rotary and rows is not None and rows in heads:
             tensor = permute_rotary(tensor, heads[rows])
+        if family.layer.norm_offset and ref.tensor.param.endswith("norm.weight"):
+            tensor = tensor.float() + family.layer.norm_offset
         yield ref.gguf_name, tensor
 
 

@@ -12,7 +12,8 @@ Invariants:
 - The file's architecture selects a family of the registry (`nanoserve.model.families`); its
   declaration names the tensors and says how llama.cpp stores them.
 - `weights()` yields exactly what the safetensors checkpoint the file was converted from holds
-  (up to the file's precision): shapes in torch order (GGUF lists dims in reverse), and the Q/K
+  (up to the file's precision): shapes in torch order (GGUF lists dims in reverse), norm weights
+  of families with a `LayerShape.norm_offset` less that offset (llama.cpp stores 1 + w), and the Q/K
   rows of files whose architecture stores them interleaved (`llama`) un-permuted from llama.cpp's
   interleaved rotary layout back to the rotate-half layout of `transformers`.
 - Tensors of a type nanoserve multiplies in its block format (`KEPT_TYPES`: Q8_0, Q4_0, Q4_K,
@@ -106,7 +107,13 @@ class GGUFCheckpoint(NamedTuple):
             if ref is None:
                 log.warning("ignoring GGUF tensor %s (not used by this model)", t.name)
                 continue
-            x = _quantized_rows(t) if t.tensor_type in KEPT_TYPES else _to_torch(t, dtype)
+            offset = self.family.layer.norm_offset if ref.tensor.param.endswith("norm.weight") else 0.0
+            if t.tensor_type in KEPT_TYPES:
+                x: torch.Tensor | QuantizedRows = _quantized_rows(t)
+            elif offset:  # the file stores (offset + w); the checkpoint it came from, w
+                x = (_to_torch(t, torch.float32) - offset).to(dtype)
+            else:
+                x = _to_torch(t, dtype)
             rows = ref.tensor.rows
             if interleaved and rows is not None and rows in heads:
                 x = x[unpermute_rotary(torch.arange(x.shape[0]), heads[rows])]
@@ -288,6 +295,7 @@ def _hf_config(meta: dict[str, Any], family: Family, tensors: dict[str, ReaderTe
     layers = _require(meta, f"{arch}.block_count")
     rotary_dim = meta.get(f"{arch}.rope.dimension_count", head_dim)
     return {
+        **_layer_shape_config(meta, family, heads, hidden, head_dim),
         "architectures": [family.architectures[0]],
         "model_type": family.name,
         "vocab_size": len(_require(meta, "tokenizer.ggml.tokens")),
@@ -297,7 +305,7 @@ def _hf_config(meta: dict[str, Any], family: Family, tensors: dict[str, ReaderTe
         "num_attention_heads": heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "hidden_act": "silu",
+        "hidden_act": family.activations[0],
         "rms_norm_eps": _require(meta, f"{arch}.attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": _require(meta, f"{arch}.context_length"),
         "rope_parameters": {"rope_theta": theta, **_rope_scaling(meta, arch, tensors, head_dim, theta),
@@ -328,6 +336,41 @@ def _decimals(t: ReaderTensor) -> list[float]:
     """An F32 vector as the shortest decimals that round to its values (as `_metadata` reads float32
     scalars): the numbers the converter was given."""
     return [float(str(v)) for v in _to_torch(t, torch.float32).numpy()]
+# llama.cpp's Gemma 3 defaults for what its files do not carry: the local layers' rotary base, and
+# every LOCAL_PATTERN-th layer global.
+LOCAL_ROPE_BASE = 10000.0
+LOCAL_PATTERN = 6
+
+
+def _layer_shape_config(meta: dict[str, Any], family: Family, heads: int, hidden: int,
+                        head_dim: int) -> dict[str, Any]:
+    """The config.json fields of a family whose layers differ from Llama's, as llama.cpp reads them:
+    the sliding window, which layers are local (`attention.sliding_window_pattern`: a period or
+    one flag per layer, true for local; absent: every sixth layer global), the local rotary base
+    (`rope.freq_base_swa`, else 10000), the attention scale (`attention.scale`, else 1/sqrt of
+    the head size, or of hidden/heads for Gemma 3 27B's 62 layers, as llama.cpp sets it) and the
+    final logit softcap."""
+    arch = family.gguf.name if family.gguf is not None else family.name
+    out: dict[str, Any] = {}
+    softcap = meta.get(f"{arch}.final_logit_softcapping")
+    if softcap:
+        out["final_logit_softcapping"] = softcap
+    if not family.layer.interleaved_windows:
+        return out
+    layers = _require(meta, f"{arch}.block_count")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", LOCAL_PATTERN)
+    local = ([bool(x) for x in pattern] if isinstance(pattern, list)
+             else [(i + 1) % int(pattern) != 0 for i in range(layers)])
+    scale = meta.get(f"{arch}.attention.scale")
+    default_scalar = hidden // heads if layers == 62 else head_dim
+    scalar = float(f"{float(scale) ** -2:.6g}") if scale else default_scalar
+    out.update({
+        "sliding_window": _require(meta, f"{arch}.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
+        "rope_local_base_freq": meta.get(f"{arch}.rope.freq_base_swa", LOCAL_ROPE_BASE),
+        "query_pre_attn_scalar": scalar,
+    })
+    return out
 
 
 def _rope_scaling(

@@ -5,7 +5,9 @@ q/k/v projections land in row slices of `qkv_proj`, gate/up in row slices of `ga
 destination is a `WeightDestination`: a tensor (norms, biases) or a `LinearWeight` or a slice of its
 rows, which stores the checkpoint's dense rows in its own format.
 Invariant after `load_weights` returns: every parameter slice was written exactly by the
-checkpoint, or a `MissingWeightsError` named what was absent.
+checkpoint (a norm weight of a family with `LayerShape.norm_offset` as offset + w, in fp32 before
+the cast), or a `MissingWeightsError` named what was absent. The text decoder of a multimodal
+checkpoint is read under its `Family.text_prefixes`; its other tensors are counted and skipped.
 """
 
 from __future__ import annotations
@@ -55,7 +57,11 @@ def _destination(owner: nn.Module, tensor: TensorName) -> WeightDestination | No
 
 def _hf_name(family: Family, name: str) -> str:
     """The name as a `*ForCausalLM` checkpoint writes it: one saved from the bare decoder (a
-    `*Model`, as embedding models such as Qwen3-Embedding are) lacks the `model.` prefix."""
+    `*Model`, as embedding models such as Qwen3-Embedding are) lacks the `model.` prefix, and a
+    multimodal one nests its text decoder under one of the family's `text_prefixes`."""
+    causal = family.causal_name(name)
+    if causal != name:
+        return causal
     if family.tensor_by_hf(name) is None and family.tensor_by_hf("model." + name) is not None:
         return "model." + name
     return name
@@ -78,26 +84,48 @@ def expected_keys(model: CausalLM, family: Family) -> set[str]:
     return keys
 
 
+def expected_shapes(model: CausalLM, family: Family) -> dict[str, tuple[int, ...]]:
+    """Every tensor a complete checkpoint of `model` holds (`expected_keys`), Hugging Face name to
+    shape, in checkpoint order: the embedding, each layer's tensors as `family` declares them, the
+    final norm and (untied) LM head. `model` may live on the meta device."""
+    def shape(owner: nn.Module, t: TensorName) -> tuple[int, ...] | None:
+        dest = _destination(owner, t)
+        return None if dest is None else tuple(dest.shape)
+
+    shapes = {t.hf: s for t in family.global_tensors[:1] if (s := shape(model, t)) is not None}
+    for i, layer in enumerate(model.layers):
+        shapes |= {f"model.layers.{i}.{t.hf}": s for t in family.layer_tensors if (s := shape(layer, t)) is not None}
+    return shapes | {t.hf: s for t in family.global_tensors[1:] if (s := shape(model, t)) is not None}
+
+
 @torch.no_grad()
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedRows]], family: Family) -> None:
     """Copies checkpoint tensors (Hugging Face names of `family`) into the model: each destination
     converts dense values to its format (casting to the model's dtype, or quantizing) and takes
     `QuantizedRows` of its own block format as they are; a dense destination dequantizes them."""
     seen: set[str] = set()
+    not_text = 0
     for given, tensor in tensors:
         name = _hf_name(family, given)
+        ref = family.tensor_by_hf(name)
         dest = _target(model, family, name)
-        if dest is None:
-            if not _IGNORED.search(name):
+        if dest is None or ref is None:
+            if family.text_prefixes and given == name and ref is None:
+                not_text += 1  # a multimodal checkpoint's vision tower or projector
+            elif not _IGNORED.search(name):
                 log.warning("ignoring checkpoint tensor %s (not used by this model)", name)
             continue
         if dest.shape != tensor.shape:
             raise MissingWeightsError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         if isinstance(tensor, QuantizedRows):
             _copy_blocks(dest, tensor, model.dtype)
+        elif family.layer.norm_offset and ref.tensor.param.endswith("norm.weight"):
+            dest.copy_(tensor.float() + family.layer.norm_offset)
         else:
             dest.copy_(tensor)
         seen.add(name)
+    if not_text:
+        log.info("skipped %d tensors outside the text decoder (%s reads text only)", not_text, family.name)
     missing = expected_keys(model, family) - seen
     if missing:
         raise MissingWeightsError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -1,9 +1,12 @@
 """What a model family is to nanoserve: a declaration, read by every part that depends on it.
 
-Every family nanoserve runs is a Llama-shaped decoder (pre-norm RMSNorm blocks, grouped-query
-attention with rotary embeddings, a SwiGLU MLP). A `Family` states how its `config.json` maps onto
-the switches of `ModelConfig`, the names its tensors have in Hugging Face checkpoints and in GGUF
-files and the decoder parameter each one fills, how llama.cpp stores it, and whether the C++ decoder
+Every family nanoserve runs is a decoder of RMSNorm blocks around grouped-query attention with
+rotary embeddings and a gated MLP. Llama's layer (pre-norms, SwiGLU) is the default; a family whose
+layers differ says how in its `LayerShape` (where the norms sit, (1 + w) norms, the gate's
+activation, q/k norms per head or over the whole projection, scaled embeddings, interleaved local
+and global layers). A `Family` states how its `config.json` maps onto the switches of
+`ModelConfig`, the names its tensors have in Hugging Face checkpoints and in GGUF files and the
+decoder parameter each one fills, how llama.cpp stores it, and whether the C++ decoder
 runs it. `config.py`, `weights.py`, `gguf_reader.py` and `gguf_export.py` derive their tables from
 these declarations; nothing else names a family.
 
@@ -75,6 +78,39 @@ LLAMA_LAYER_TENSORS = (
 )
 
 
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerShape:
+    """How a family's decoder layer differs from Llama's pre-norm SwiGLU block; the defaults are Llama's.
+
+    - `norms`: "pre" normalizes each sublayer's input (Llama); "sandwich" its input and its output
+      before the residual add (Gemma 2/3: four norms per layer); "post" its output only (OLMo 2).
+    - `norm_offset`: checkpoints store w and the norm multiplies by (norm_offset + w) (Gemma: 1).
+      The decoder keeps (norm_offset + w), as llama.cpp's GGUF files store it: the loader adds the
+      offset to every norm weight of a Hugging Face checkpoint, GGUF files already hold the sum.
+    - `qk_norm_over`: q/k RMSNorm (when the family has one) per head ("head", Qwen3, Gemma 3) or over
+      the whole q and k projections ("projection", OLMo 2).
+    - `embed_scale`: the embeddings are multiplied by sqrt(hidden_size) (it sets
+      `ModelConfig.embedding_multiplier`, applied in the model's dtype).
+    - `interleaved_windows`: config.json's `layer_types` (or `sliding_window_pattern`) makes some
+      layers local, attending to their last `sliding_window` positions, with a rotary base of their
+      own (`rope_local_base_freq`, or `rope_parameters["sliding_attention"]`); the others are global.
+    """
+
+    norms: str = "pre"
+    norm_offset: float = 0.0
+    qk_norm_over: str = "head"
+    embed_scale: bool = False
+    interleaved_windows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.norms not in NORM_PLACEMENTS or self.qk_norm_over not in ("head", "projection"):
+            raise ValueError(f"unknown layer shape {self}")
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFArch:
     """How llama.cpp stores a family: `general.architecture`, which also prefixes its
@@ -129,11 +165,29 @@ class Family:
     layer_tensors: tuple[TensorName, ...] = LLAMA_LAYER_TENSORS
     global_tensors: tuple[TensorName, ...] = GLOBAL_TENSORS
     native_decoder: bool = True  # `nanoserve/csrc/decoder.cpp` implements these layers
+    layer: LayerShape = LayerShape()  # how the layers differ from Llama's
+    # config.json `hidden_act` / `hidden_activation` values accepted (keys of ACTIVATIONS).
+    activations: tuple[str, ...] = ("silu",)
+    # Prefixes of a multimodal checkpoint's text decoder, each with the `*ForCausalLM` prefix it
+    # stands for (Gemma3ForConditionalGeneration: "model.language_model." for "model."); its
+    # config.json then nests the decoder's fields in `text_config`. Other tensors are not read.
+    text_prefixes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.rope_types) - set(ROPE_TYPES))
         if unknown:
             raise ValueError(f"family {self.name!r} accepts rope types the decoder lacks: {unknown}")
+        unknown = sorted(set(self.activations) - set(ACTIVATIONS))
+        if unknown:
+            raise ValueError(f"family {self.name!r} accepts activations the decoder lacks: {unknown}")
+
+    def causal_name(self, hf_name: str) -> str:
+        """The name a `*ForCausalLM` checkpoint gives a tensor that a multimodal one stores under
+        one of `text_prefixes`; any other name as it is."""
+        for prefix, causal in self.text_prefixes:
+            if hf_name.startswith(prefix):
+                return causal + hf_name[len(prefix):]
+        return hf_name
 
     def tensor_by_hf(self, hf_name: str) -> TensorRef | None:
         """The tensor a Hugging Face name denotes, or None if the family has no such tensor."""
