@@ -2,7 +2,7 @@
 
 The sources (`paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`, `quant.cpp` (products with GGUF
 block-quantized weights), and `decoder.cpp`, which composes the others; headers `simd.h` and
-`kernels.h`, and quant.cpp's own `quant_isa.h`, `quant_blocks.h`, `quant_dot.h` and `quant_amx.h`)
+`kernels.h`, and quant.cpp's own `quant_isa.h`, `quant_blocks.h` and `quant_dot.h`)
 include no torch header and need no ninja: one `g++ -O3 -march=native -fopenmp` call builds them.
 The instruction set flags (`-march=native` by default) are a parameter, so that tests can build the
 same sources for an older CPU (e.g. without VNNI) beside the native build.
@@ -46,7 +46,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in (
     "paged_attention.cpp", "layer_ops.cpp", "linear.cpp", "quant.cpp", "decoder.cpp"))
 HEADERS = tuple(CSRC / name for name in (
-    "simd.h", "kernels.h", "quant_isa.h", "quant_blocks.h", "quant_dot.h", "quant_amx.h"))
+    "simd.h", "kernels.h", "quant_isa.h", "quant_blocks.h", "quant_dot.h"))
 FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 NATIVE_ISA = ("-march=native",)  # the instruction set flags of the build for this CPU
 # The element types the kernels are built for, and the suffix of each entry point's name.
@@ -112,9 +112,11 @@ _PER_DTYPE = {
 # The ctypes signature of every entry point of the library, by name.
 SIGNATURES: dict[str, Signature] = {
     **{f"{name}_{suffix}": sig for name, sig in _PER_DTYPE.items() for suffix in DTYPE_SUFFIX.values()},
+    # linear.cpp, quant.cpp: bf16 products with fp32 outputs (the LM head)
+    "nanoserve_linear_bf16_out_f32": _PER_DTYPE["nanoserve_linear"],
+    "nanoserve_quant_linear_bf16_out_f32": _PER_DTYPE["nanoserve_quant_linear"],
     "nanoserve_linear_bf16_native": Signature(_INT, ()),  # linear.cpp
     "nanoserve_quant_isa": Signature(_INT, ()),  # quant.cpp
-    "nanoserve_quant_amx_rows": Signature(_INT, ()),  # quant.cpp
 }
 
 

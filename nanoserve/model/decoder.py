@@ -161,8 +161,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [n, vocab] for the given rows of hidden states."""
-        return self.ops.linear(hidden, self.head).float()
+        """fp32 logits [n, vocab] for the given rows of hidden states (`LayerOps.logits`)."""
+        return self.ops.logits(hidden, self.head)
 
     @property
     def head(self) -> LinearWeight:

@@ -35,7 +35,9 @@ STEPS = 64
 BUDGET = 48  # max_num_batched_tokens: prompts of up to ~120 tokens take several chunks
 TARGET_LEN = 70
 OTHERS = 15
-DENSE_SHAPE = {"intermediate_size": 1024}  # down_proj rows of 1,024 values
+# Head size 32 and 64 (hidden / 4 heads): sizes the C++ attention kernel takes (the torch backend,
+# which the engine uses for other sizes, batches its SDPA calls by step and is not batch invariant).
+DENSE_SHAPE = {"hidden_size": 128, "intermediate_size": 1024}  # down_proj rows of 1,024 values
 K_MIX_SHAPE = {"hidden_size": 256, "intermediate_size": 1024}  # whole 256-value k-quant blocks
 
 
