@@ -60,9 +60,10 @@ def model_path(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Te
 
 
 def _greedy(max_tokens: int = STEPS, **fields: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **fields)  # type: ignore[arg-type]
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **fields)
 
 
+@pytest.mark.slow  # six engines; tests/model/test_layer_ops.py checks the kernels' invariance in the fast tier
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("kind", ["dense", "Q8_0", "Q4_K_M"])
 def test_greedy_tokens_do_not_depend_on_the_batch(model_path: Callable[[str], Path], kind: str, dtype: str) -> None:
