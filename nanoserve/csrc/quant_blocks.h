@@ -1,7 +1,7 @@
 // GGUF's block formats (q8_0, q4_0, q4_k, q5_k, q6_k) as the quantized products read them: the
 // block layouts, the unpacking of a group of blocks into unsigned bytes and lane scales for the
 // dot products (Group<Q>), and the dequantization of whole rows (dequantize_row, for
-// dequantize_rows and the AMX tiles).
+// dequantize_rows).
 //
 // Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
 // quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that

@@ -34,7 +34,10 @@
 // (q8_0_dot4), which shares the per-block work among four rows.
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
-// a step past K multiplies zeros; each output is reduced, biased and rounded to T once, at the end.
+// a step past K multiplies zeros; each output is reduced, biased and rounded to the output type once,
+// at the end. Each output's operations depend on its row of x and its row of W only, not on NW, MX,
+// M or the row's place (one accumulator per (row of W, row of x), the same lanes and order;
+// q8_0_dot4 makes dot_block<kQ8_0>'s operations in another loop): batch invariance.
 
 #pragma once
 
@@ -172,8 +175,8 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
 }
 
 // Output columns [n0, n0 + NW) for all M rows, up to kRowsX rows of x at a time.
-template <int Q, int NW, typename T>
-void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out, int64_t out_stride,
+template <int Q, int NW, typename T, typename O>
+void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out, int64_t out_stride,
              int64_t M, int64_t K, int64_t n0) {
   float res[kRowsX][4] = {};  // (initialised only to quiet -Wmaybe-uninitialized)
   const uint8_t* w0 = w + n0 * row_bytes;
@@ -253,8 +256,8 @@ void q8_0_dot4(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
 
 // Output columns [begin, end) for all M rows of x, in out's row m at out + m * out_stride: at one row
 // of x four columns at a time (q8_0_dot4 for q8_0 where it exists), then pairs, then one.
-template <int Q, typename T>
-void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out,
+template <int Q, typename T, typename O>
+void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
   if (M == 1) {

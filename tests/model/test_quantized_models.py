@@ -10,8 +10,8 @@ moves by at most half its block's step s = max|x_block| / 127, uniformly, so by 
 the largest of 32 Gaussian values is about 2.5 standard deviations, so each product's relative RMS
 error is about 2.5 / 127 / sqrt(12) = 0.57% (measured 0.50-0.58% per product, every format). Nine
 products deep (two layers and the LM head), with the norms between, the logits' relative RMS error
-measured 1.5-2.0% on the Q8_0 / Q4_0 models and 1.9-2.9% on the k-quant ones, one token per step;
-a prefill of many rows multiplies dequantized tiles of the weights (measured 0). LOGIT_TOLERANCE
+measured 1.5-2.0% on the Q8_0 / Q4_0 models and 1.9-2.9% on the k-quant ones, one token per step
+(a prefill of many rows takes the same int8 products, row by row the same bits). LOGIT_TOLERANCE
 leaves about 2x over that. A wrong block layout, scale or row order gives ~100%.
 """
 
@@ -209,8 +209,7 @@ def _greedy(loaded: LoadedModel, prompt: str | list[int] = PROMPT) -> list[int]:
 
 def _check_logits(quantized: LoadedModel, dense: LoadedModel) -> None:
     """Logits within LOGIT_TOLERANCE of the dense model's, in one prefill of whole sequences (many
-    rows: products on dequantized tiles of the weights) and one token per sequence and step (a few
-    rows: the int8 products)."""
+    rows) and one token per sequence and step (a few rows), both through the int8 products."""
     seqs = _seqs(quantized.config.vocab_size)
     assert _relative_error(full_logits(dense, seqs), full_logits(quantized, seqs)) < LOGIT_TOLERANCE
     steps = [[[t] for t in seq] for seq in seqs]
