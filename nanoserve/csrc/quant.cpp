@@ -82,6 +82,7 @@ void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out
     case kIQ4_NL: products<kIQ4_NL>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kIQ4_XS: products<kIQ4_XS>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ3_K: products<kQ3_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ2_K: products<kQ2_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ4_K: products<kQ4_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ5_K: products<kQ5_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ6_K: products<kQ6_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;

@@ -1,4 +1,4 @@
-// GGUF's block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; q4_k, q5_k, q6_k, iq4_xs, q3_k) as the quantized products read them: the
+// GGUF's block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; q4_k, q5_k, q6_k, iq4_xs, q3_k, q2_k) as the quantized products read them: the
 // block layouts, the unpacking of a group of blocks into unsigned bytes and lane scales for the
 // dot products (Group<Q>), and the dequantization of whole rows (dequantize_row, for
 // dequantize_rows and the AMX tiles).
@@ -11,10 +11,10 @@
 // GGUF tensor (nanoserve/model/block_quant.py spells the block layouts out). Every weight value is
 // scale * (u - offset) - min with u a small unsigned integer: q8_0 u = q + 128 (offset 128), q4_0 a
 // nibble (offset 8), q5_0 five bits (offset 16), q6_k six bits (offset 32), q3_k three bits (offset
-// 4), q4_k / q5_k four or five bits (offset 0, a min per 32 values), q4_1 / q5_1 four or five bits
-// (offset 0, the block's min m added: min = -m), iq4_nl / iq4_xs the nibble's entry of the
-// non-linear table kIq4Values plus 128 (offset 128); the scale is per 32 values (q6_k, q3_k: per
-// 16). On plain AVX2 (kSignTrick) q8_0's, iq4_nl's and iq4_xs's u are the signed values themselves,
+// 4), q4_k / q5_k four or five bits (offset 0, a min per 32 values), q2_k two bits (offset 0, a min
+// per 16 values), q4_1 / q5_1 four or five bits (offset 0, the block's min m added: min = -m),
+// iq4_nl / iq4_xs the nibble's entry of the non-linear table kIq4Values plus 128 (offset 128); the
+// scale is per 32 values (q6_k, q3_k, q2_k: per 16). On plain AVX2 (kSignTrick) q8_0's, iq4_nl's and iq4_xs's u are the signed values themselves,
 // offset 0 (quant_dot.h).
 //
 // Invariants: every dequantization here gives each value as ggml computes it, (d * scale) * q -
@@ -33,7 +33,7 @@
 namespace {
 
 // GGUF's tensor type ids (GGMLQuantizationType).
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
               kIQ4_NL = 20, kIQ4_XS = 23;
 // iq4_nl's and iq4_xs's 16 values, indexed by a nibble (ggml's kvalues_iq4nl).
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -54,6 +54,7 @@ constexpr BlockLayout layout(int qtype) {
     case kIQ4_NL: return {32, 18};
     case kIQ4_XS: return {256, 136};
     case kQ3_K: return {256, 110};
+    case kQ2_K: return {256, 84};
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
@@ -161,6 +162,15 @@ void dequantize_block(int qtype, const uint8_t* p, float* y) {
         }
       break;
     }
+    case kQ2_K: {  // value 32c + l: two bits of qs[32 (c / 4) + l] at 2 (c % 4); scale and min per 16 values
+      const float d = fp16(p + 80), dmin = fp16(p + 82);
+      for (int c = 0; c < 8; ++c)
+        for (int l = 0; l < 32; ++l) {
+          const int q = (p[16 + 32 * (c / 4) + l] >> (2 * (c % 4))) & 3, sc = p[2 * c + l / 16];
+          y[32 * c + l] = d * static_cast<float>(sc & 0xf) * static_cast<float>(q) - dmin * static_cast<float>(sc >> 4);
+        }
+      break;
+    }
     case kQ8_0: {
       const float d = fp16(p);
       for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(p[2 + i]));
@@ -231,8 +241,9 @@ inline __m256 lanes_of(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm
 // Whether a format's values are signed bytes looked up or stored as they are (its u on plain AVX2,
 // kSignTrick, where u + 128 would saturate vpmaddubsw), the offset each format's u carries (folded
 // into the activation rows), whether it has a min per chunk (has_mins: the k-quants' mins, times the
-// activation's chunk sums) or per block of 32 (has_block_mins: q4_1's and q5_1's m, added, in the
-// lanes of the chunk: lane_mins times the activation's lane sums).
+// activation's chunk sums) or per block of 32 or 16 values (has_lane_mins: what the group adds to
+// each value, q4_1's and q5_1's m, q2_k's -dmin * min, in the lanes of its values (mv, pair_mins),
+// times the activation's lane sums).
 constexpr bool signed_values(int qtype) { return qtype == kQ8_0 || qtype == kIQ4_NL || qtype == kIQ4_XS; }
 constexpr int offset_of(int qtype) {
   return signed_values(qtype) ? (kSignTrick ? 0 : 128)
@@ -243,7 +254,7 @@ constexpr int offset_of(int qtype) {
                               : 0;
 }
 constexpr bool has_mins(int qtype) { return qtype == kQ4_K || qtype == kQ5_K; }
-constexpr bool has_block_mins(int qtype) { return qtype == kQ4_1 || qtype == kQ5_1; }
+constexpr bool has_lane_mins(int qtype) { return qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ2_K; }
 
 // The 32 bits of `bits` as bytes: byte i is 0x10 where bit i is set, else 0 (q5_0's and q5_1's fifth
 // bits in place). Each byte takes the byte of `bits` that holds its bit, then tests its bit there.
@@ -287,7 +298,7 @@ struct Group {
   static_assert(layout(Q).values == 32, "the 256-value formats have their own Group");
   static constexpr int64_t values = 32;
   static constexpr bool five = Q == kQ5_0 || Q == kQ5_1;
-  static constexpr int64_t qs_at = 2 + (has_block_mins(Q) ? 2 : 0) + (five ? 4 : 0);
+  static constexpr int64_t qs_at = 2 + (has_lane_mins(Q) ? 2 : 0) + (five ? 4 : 0);
   const uint8_t* p;
   __m256 scale;
   Group() = default;
@@ -307,7 +318,7 @@ struct Group {
       return n;
     }
   }
-  // (q4_1, q5_1) the block's min m in the lanes of its chunk.
+  // (q4_1, q5_1) what the block adds to each value, m, in the lanes of its chunk (mv, pair_mins).
   __m256 min8() const { return _mm256_set1_ps(fp16(p + 2)); }
 #if defined(NANOSERVE_QUANT_ZMM)
   // m of the block at a in lanes 0-7, of the block at b (null: 0) in lanes 8-15 (as pair_scales).
@@ -520,63 +531,122 @@ struct Group<kIQ4_XS> {
 #endif
 };
 
-// q3_k: value 32c + l has u = its two bits of qs[32 (c / 4) + l] (the 64 bytes at 32) at bit
-// 2 (c % 4), topped (bit 2) by bit c of hmask[l] (the 32 bytes at 0), offset 4; sixteen scales
-// d * sc[i] (q3_k_scales), one per 16 values, laid out as q6_k's.
-template <>
-struct Group<kQ3_K> {
-  static constexpr int64_t values = 256;
-  const uint8_t* p;
+// Sixteen values of a 256-value group, one per 16 of its values (q3_k's and q2_k's scales, q2_k's
+// mins), as fp32 d * v[i]: in(c) those of chunk c in its lanes (lanes 0-3 value 2c, lanes 4-7 value
+// 2c + 1), inv(v) those of vector v of the path, laid out as q6_k's scales.
+struct Sixteen {
 #if defined(NANOSERVE_QUANT_ZMM)
-  __m512 all;  // the 16 scales
-  Group() = default;
-  explicit Group(const uint8_t* block) : p(block) {
-    alignas(16) int8_t sc[16];
-    q3_k_scales(block + 96, sc);
-    all = _mm512_mul_ps(_mm512_set1_ps(fp16(block + 108)),
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc)))));
-  }
+  __m512 all;
+  Sixteen() = default;
+  Sixteen(float d, __m512i v) : all(_mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(v))) {}
   __m256 half(int h) const { return h == 0 ? _mm512_castps512_ps256(all) : _mm512_extractf32x8_ps(all, 1); }
 #else
-  __m256 scales[2];
-  Group() = default;
-  explicit Group(const uint8_t* block) : p(block) {
-    alignas(16) int8_t sc[16];
-    q3_k_scales(block + 96, sc);
-    const __m256 d = _mm256_set1_ps(fp16(block + 108));
-    const __m128i all = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
-    scales[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(all)));
-    scales[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(all, 8))));
-  }
-  __m256 half(int h) const { return scales[h]; }
+  __m256 halves[2];
+  Sixteen() = default;
+  Sixteen(float d, __m256i lo, __m256i hi)
+      : halves{_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lo)),
+               _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(hi))} {}
+  __m256 half(int h) const { return halves[h]; }
 #endif
-  // Shifts of 16-bit lanes, then masks: the bits wanted stay within their byte.
-  __m256i u(int c) const {
-    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(load32(p + 32 + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))),
-                                         _mm256_set1_epi8(3));
-    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(c)), _mm256_set1_epi8(1));
-    return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
-  }
-  __m256 s(int c) const {
+  __m256 in(int c) const {
     const int i = 2 * (c % 4);
     return _mm256_permutevar8x32_ps(half(c / 4), _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
   }
 #if defined(NANOSERVE_QUANT_ZMM)
+  FV inv(int v) const {  // lane l: value 4v + l / 4
+    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * v),
+                                           _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                               12, 13, 14, 15), 2));
+    return _mm512_permutexvar_ps(lanes, all);
+  }
+#else
+  FV inv(int v) const { return in(v); }
+#endif
+};
+
+// Sixteen of the int8 (signed) or uint8 bytes at p.
+template <bool signed_bytes>
+inline Sixteen sixteen(float d, const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+#if defined(NANOSERVE_QUANT_ZMM)
+  return Sixteen(d, signed_bytes ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#else
+  const __m128i hi = _mm_srli_si128(b, 8);
+  return signed_bytes ? Sixteen(d, _mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(hi))
+                      : Sixteen(d, _mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(hi));
+#endif
+}
+
+// The two bits at 2 (c % 4) of the 32 bytes at q + 32 (c / 4) (q3_k's and q2_k's low bits of chunk
+// c): a shift of the 16-bit lanes, then a mask (the bits wanted stay within their byte).
+inline __m256i two_bits(const uint8_t* q, int c) {
+  return _mm256_and_si256(_mm256_srl_epi16(load32(q + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))),
+                          _mm256_set1_epi8(3));
+}
+
+// q3_k: value 32c + l has u = its two bits of qs[32 (c / 4) + l] (the 64 bytes at 32) at bit
+// 2 (c % 4), topped (bit 2) by bit c of hmask[l] (the 32 bytes at 0), offset 4; sixteen scales
+// d * sc[i] (q3_k_scales), one per 16 values.
+template <>
+struct Group<kQ3_K> {
+  static constexpr int64_t values = 256;
+  const uint8_t* p;
+  Sixteen scales;
+  Group() = default;
+  explicit Group(const uint8_t* block) : p(block) {
+    int8_t sc[16];
+    q3_k_scales(block + 96, sc);
+    scales = sixteen<true>(fp16(block + 108), reinterpret_cast<const uint8_t*>(sc));
+  }
+  __m256i u(int c) const {
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(c)), _mm256_set1_epi8(1));
+    return _mm256_or_si256(two_bits(p + 32, c), _mm256_slli_epi16(high, 2));
+  }
+  __m256 s(int c) const { return scales.in(c); }
+  FV sv(int v) const { return scales.inv(v); }
+#if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const { return join(u(2 * v), u(2 * v + 1)); }
-  FV sv(int v) const { return join(s(2 * v), s(2 * v + 1)); }
 #else
   IV uv(int v) const { return u(v); }
-  FV sv(int v) const { return s(v); }
+#endif
+};
+
+// q2_k: value 32c + l has u = its two bits of qs[32 (c / 4) + l] (the 64 bytes at 16) at bit
+// 2 (c % 4), offset 0; per 16 values i a scale d * (sc[i] & 15) and a min dmin * (sc[i] >> 4) (the
+// 16 bytes sc at 0, d at 80, dmin at 82); mv(v) what vector v's lanes add, -dmin * (sc[i] >> 4).
+template <>
+struct Group<kQ2_K> {
+  static constexpr int64_t values = 256;
+  const uint8_t* p;
+  Sixteen scales, mins;
+  Group() = default;
+  explicit Group(const uint8_t* block) : p(block) {
+    alignas(16) uint8_t sc[16], mn[16];
+    for (int i = 0; i < 16; ++i) {
+      sc[i] = block[i] & 0xf;
+      mn[i] = block[i] >> 4;
+    }
+    scales = sixteen<false>(fp16(block + 80), sc);
+    mins = sixteen<false>(-fp16(block + 82), mn);
+  }
+  __m256i u(int c) const { return two_bits(p + 16, c); }
+  __m256 s(int c) const { return scales.in(c); }
+  FV sv(int v) const { return scales.inv(v); }
+  FV mv(int v) const { return mins.inv(v); }
+#if defined(NANOSERVE_QUANT_ZMM)
+  IV uv(int v) const { return join(u(2 * v), u(2 * v + 1)); }
+#else
+  IV uv(int v) const { return u(v); }
 #endif
 };
 
 // Group Q's scales at block p as dequantize_block computes them: s[i] that of values 16i .. 16i + 15,
-// mins[c] (k-quants with mins) the min of chunk c.
+// mins[i] (formats with mins) the min of those values (-m for q4_1's and q5_1's added m).
 template <int Q>
 inline void group_scales(const uint8_t* p, float* s, float* mins) {
   if constexpr (layout(Q).values == 32) {
     s[0] = s[1] = fp16(p);
-    if constexpr (has_block_mins(Q)) mins[0] = -fp16(p + 2);  // value d * q + m
+    if constexpr (has_lane_mins(Q)) mins[0] = mins[1] = -fp16(p + 2);  // value d * q + m
   } else if constexpr (Q == kIQ4_XS) {
     const float d = fp16(p);
     int8_t ls[8];
@@ -587,13 +657,19 @@ inline void group_scales(const uint8_t* p, float* s, float* mins) {
     int8_t sc[16];
     q3_k_scales(p + 96, sc);
     for (int i = 0; i < 16; ++i) s[i] = d * static_cast<float>(sc[i]);
+  } else if constexpr (Q == kQ2_K) {
+    const float d = fp16(p + 80), dmin = fp16(p + 82);
+    for (int i = 0; i < 16; ++i) {
+      s[i] = d * static_cast<float>(p[i] & 0xf);
+      mins[i] = dmin * static_cast<float>(p[i] >> 4);
+    }
   } else if constexpr (has_mins(Q)) {
     const float d = fp16(p), dmin = fp16(p + 2);
     uint64_t sc, mn;
     k_scales(p + 4, &sc, &mn);
     for (int c = 0; c < 8; ++c) {
       s[2 * c] = s[2 * c + 1] = d * static_cast<float>((sc >> (8 * c)) & 0xff);
-      mins[c] = dmin * static_cast<float>((mn >> (8 * c)) & 0xff);
+      mins[2 * c] = mins[2 * c + 1] = dmin * static_cast<float>((mn >> (8 * c)) & 0xff);
     }
   } else {  // q6_k: a scale per 16 values
     const float d = fp16(p + 208);
@@ -640,12 +716,13 @@ inline void store32(__m512 lo, __m512 hi, T* dst) {
 }
 #endif
 
-// A chunk of 32 bytes u as T at dst: s_lo, s_hi the scales of values 0-15 and 16-31.
+// A chunk of 32 bytes u as T at dst: s_lo, s_hi the scales of values 0-15 and 16-31, min_lo, min_hi
+// their mins.
 template <bool signed_u, bool with_min, typename T>
-inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, float min, T* dst) {
+inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, float min_lo, float min_hi, T* dst) {
 #if defined(NANOSERVE_QUANT_ZMM)
-  store32(values16<signed_u, with_min>(_mm256_castsi256_si128(u), offset, s_lo, min),
-          values16<signed_u, with_min>(_mm256_extracti128_si256(u, 1), offset, s_hi, min), dst);
+  store32(values16<signed_u, with_min>(_mm256_castsi256_si128(u), offset, s_lo, min_lo),
+          values16<signed_u, with_min>(_mm256_extracti128_si256(u, 1), offset, s_hi, min_hi), dst);
 #else
   for (int h = 0; h < 4; ++h) {
     const __m128i bytes = _mm_srli_si128(h < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1),
@@ -653,7 +730,7 @@ inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, floa
     const __m256i wide = signed_u ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
     __m256 v = _mm256_mul_ps(_mm256_set1_ps(h < 2 ? s_lo : s_hi),
                              _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, _mm256_set1_epi32(offset))));
-    if constexpr (with_min) v = _mm256_sub_ps(v, _mm256_set1_ps(min));
+    if constexpr (with_min) v = _mm256_sub_ps(v, _mm256_set1_ps(h < 2 ? min_lo : min_hi));
     store8(v, dst + 8 * h);
   }
 #endif
@@ -668,16 +745,16 @@ void dequantize_row(const uint8_t* src, int64_t K, T* y, int64_t chunk_stride = 
   constexpr int64_t chunks = G::values / kChunk;
   for (int64_t gi = 0; gi < K / G::values; ++gi) {
     const uint8_t* p = src + gi * layout(Q).bytes;
-    float s[G::values / 16], mins[chunks] = {};
+    float s[G::values / 16], mins[G::values / 16] = {};
     group_scales<Q>(p, s, mins);
     T* out = y + gi * chunks * chunk_stride;
     if constexpr (Q == kQ8_0) {
-      dequantize_chunk<true, false>(load32(p + 2), 0, s[0], s[1], 0.0f, out);
+      dequantize_chunk<true, false>(load32(p + 2), 0, s[0], s[1], 0.0f, 0.0f, out);
     } else {
       const G g(p);
       for (int c = 0; c < chunks; ++c)
-        dequantize_chunk<kSignTrick && signed_values(Q), has_mins(Q) || has_block_mins(Q)>(
-            g.u(c), offset_of(Q), s[2 * c], s[2 * c + 1], mins[c], out + c * chunk_stride);
+        dequantize_chunk<kSignTrick && signed_values(Q), has_mins(Q) || has_lane_mins(Q)>(
+            g.u(c), offset_of(Q), s[2 * c], s[2 * c + 1], mins[2 * c], mins[2 * c + 1], out + c * chunk_stride);
     }
   }
 }
@@ -693,6 +770,7 @@ inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, T* y) {
     case kIQ4_NL: dequantize_row<kIQ4_NL>(src, K, y); break;
     case kIQ4_XS: dequantize_row<kIQ4_XS>(src, K, y); break;
     case kQ3_K: dequantize_row<kQ3_K>(src, K, y); break;
+    case kQ2_K: dequantize_row<kQ2_K>(src, K, y); break;
     case kQ4_K: dequantize_row<kQ4_K>(src, K, y); break;
     case kQ5_K: dequantize_row<kQ5_K>(src, K, y); break;
     case kQ6_K: dequantize_row<kQ6_K>(src, K, y); break;

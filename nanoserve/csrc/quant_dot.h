@@ -15,7 +15,7 @@
 // cost nothing more and keep the activations more precise. Per activation row we keep: qx (int8),
 // the scale of each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product
 // instruction starts from it, so the offset costs no instruction), dx * sum(qx) per chunk (for the
-// k-quants' mins) and dx * the lane's sum of qx (for q4_1's and q5_1's block mins, one fma per
+// k-quants' mins) and dx * the lane's sum of qx (for q4_1's, q5_1's and q2_k's mins, one fma per
 // vector).
 //
 // The dot products: with AVX512-VNNI, vpdpbusd multiplies 64 unsigned bytes of W by 64 signed
@@ -142,17 +142,17 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
 #pragma GCC unroll 8
     for (int64_t v = 0; v < per_step / kVecValues; ++v) {
       IV u[NW];
-      FV s[NW], mins[NW];  // mins: has_block_mins only
+      FV s[NW], mins[NW];  // mins: has_lane_mins only
       for (int j = 0; j < NW; ++j) {
         if constexpr (groups_per_step == 1) {
           u[j] = ga[j].uv(static_cast<int>(v));
           s[j] = ga[j].sv(static_cast<int>(v));
-          if constexpr (has_block_mins(Q)) mins[j] = ga[j].mv(static_cast<int>(v));
+          if constexpr (has_lane_mins(Q)) mins[j] = ga[j].mv(static_cast<int>(v));
         } else {  // two one-chunk groups in one vector
           const uint8_t* row = w + j * row_bytes + g0 * bytes;
           u[j] = join(ga[j].u(0), pair ? gb[j].u(0) : _mm256_setzero_si256());
           s[j] = G::pair_scales(row, pair ? row + bytes : nullptr);
-          if constexpr (has_block_mins(Q)) mins[j] = G::pair_mins(row, pair ? row + bytes : nullptr);
+          if constexpr (has_lane_mins(Q)) mins[j] = G::pair_mins(row, pair ? row + bytes : nullptr);
         }
       }
       const int64_t at = k + v * kVecValues;
@@ -165,7 +165,7 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
           const IV dp = kSignTrick && signed_values(Q) ? dot4(base, abs8(xq), sign_mul(u[j], xq)) : dot4(base, u[j], xq);
           acc[j][m] = fma(to_fp32(dp), mul(s[j], xs), acc[j][m]);
         }
-        if constexpr (has_block_mins(Q)) {  // + m * dx * sum(qx), lane by lane
+        if constexpr (has_lane_mins(Q)) {  // + what W's lanes add * dx * sum(qx), lane by lane
           const FV sums = load_f(a.lane_sums.data() + row / 4);
           for (int j = 0; j < NW; ++j) acc[j][m] = fma(mins[j], sums, acc[j][m]);
         }

@@ -38,7 +38,8 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ 
 FORMATS = list(BLOCK_FORMATS)
 # Byte offsets of each format's fp16 scales within a block.
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,),
-                 "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,), "q3_k": (108,)}
+                 "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,), "q3_k": (108,),
+                 "q2_k": (80, 82)}
 # (M, N, K in blocks): odd N, K with an odd number of 32-value blocks, M across the row-group tails.
 SHAPES = [(1, 1, 1), (1, 7, 3), (1, 13, 4), (2, 9, 2), (3, 33, 5), (4, 8, 4), (5, 67, 3), (7, 5, 8), (16, 64, 4),
           (33, 19, 6), (64, 130, 2)]

@@ -30,6 +30,9 @@ exactly the bytes of a GGUF tensor. The formats here, byte for byte as ggml lays
   not, and bits 2 (i / 4), 2 (i / 4) + 1 of byte 8 + i % 4 on top), fp16 d. Value 128h + 32s + l is
   bits 2s, 2s + 1 of qs[32h + l] plus 4 if bit 4h + s of hmask[l] is set; value = d * (scale - 32) *
   (q - 4).
+- q2_k (256 values, 84 bytes): sixteen bytes of a 4-bit scale (low nibble) and a 4-bit min (high
+  nibble), one per 16 values, 64 bytes qs of 2-bit values laid out as q3_k's, fp16 d, fp16 dmin;
+  value = d * scale * q - dmin * min.
 
 `QuantizedRows` carries raw blocks of some rows (what the GGUF reader hands over), `BlockQuantWeight`
 is a `LinearWeight` stored in one of these formats, `StackedWeight` a fused matrix whose row ranges
@@ -77,6 +80,7 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 256, 210),
     BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, 256, 136),
     BlockFormat("q3_k", GGMLQuantizationType.Q3_K, 256, 110),
+    BlockFormat("q2_k", GGMLQuantizationType.Q2_K, 256, 84),
 )}
 # iq4_nl's and iq4_xs's values, indexed by a nibble (ggml's kvalues_iq4nl).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -327,17 +331,29 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return ((_fp16(blocks, 0) * scales.to(torch.float32))[:, :, None] * q).reshape(-1, 256)
 
 
+def _two_bits(qs: torch.Tensor) -> torch.Tensor:
+    """The 256 2-bit values [blocks, 16, 16] of 64 bytes qs: value 128h + 32s + l is bits 2s, 2s + 1 of
+    qs[32h + l]."""
+    shifts = 2 * torch.arange(4, dtype=torch.int32, device=qs.device).reshape(1, 1, 4, 1)
+    return ((qs.to(torch.int32).reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    packed = blocks[:, 0:16].to(torch.int32)
+    dl = _fp16(blocks, 80) * (packed & 0xF).to(torch.float32)
+    ml = _fp16(blocks, 82) * (packed >> 4).to(torch.float32)
+    return (dl[:, :, None] * _two_bits(blocks[:, 16:80]).to(torch.float32) - ml[:, :, None]).reshape(-1, 256)
+
+
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     packed = blocks[:, 96:108].to(torch.int32)
     i = torch.arange(16, device=blocks.device)
     scales = ((packed[:, i % 8] >> (4 * (i // 8))) & 0xF) | (((packed[:, 8 + i % 4] >> (2 * (i // 4))) & 3) << 4)
     dl = _fp16(blocks, 108) * (scales - 32).to(torch.float32)  # [blocks, 16]
-    shifts = torch.arange(4, dtype=torch.int32, device=blocks.device).reshape(1, 1, 4, 1)
-    low = (blocks[:, 32:96].to(torch.int32).reshape(-1, 2, 1, 32) >> (2 * shifts)) & 3  # [blocks, h, s, l]
-    hmask = blocks[:, 0:32].to(torch.int32).reshape(-1, 1, 1, 32)
-    high = (hmask >> (shifts + 4 * torch.arange(2, device=blocks.device).reshape(1, 2, 1, 1))) & 1
-    q = (low | (high << 2)) - 4  # value 128h + 32s + l
-    return (dl[:, :, None] * q.reshape(-1, 16, 16).to(torch.float32)).reshape(-1, 256)
+    # bit j of hmask[l] tops value 32j + l
+    high = (blocks[:, 0:32].to(torch.int32)[:, None, :] >> torch.arange(8, device=blocks.device)[:, None]) & 1
+    q = (_two_bits(blocks[:, 32:96]) | (high.reshape(-1, 16, 16) << 2)) - 4
+    return (dl[:, :, None] * q.to(torch.float32)).reshape(-1, 256)
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,4 +404,4 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 _DECODERS = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "iq4_nl": _iq4_nl,
-             "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs, "q3_k": _q3_k}
+             "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs, "q3_k": _q3_k, "q2_k": _q2_k}
