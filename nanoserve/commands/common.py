@@ -14,8 +14,9 @@ _HELP = {
     "device": "cpu or cuda",
     "quantization": "none, or int8: quantize a safetensors checkpoint's layer matrices (q/k/v, o, gate/up, down) "
                     "to Q8_0 blocks at load (per-32-value fp16 scales; the embedding, LM head and norms stay "
-                    "--dtype). A GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K matrices stay quantized whatever this "
-                    "says (the file decides; another value than none must match it). CPU only: on CUDA weights are "
+                    "--dtype). A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, "
+                    "Q3_K and Q2_K matrices stay quantized whatever this says (the file decides; another value "
+                    "than none must match it). CPU only: on CUDA weights are "
                     "dequantized to --dtype",
     "max_model_len": "context length limit (default: the model's)",
     "max_num_seqs": "most sequences running at once",
