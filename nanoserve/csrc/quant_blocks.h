@@ -109,11 +109,23 @@ inline void iq4_xs_scales(const uint8_t* p, int8_t* ls) {
 
 // q3_k's sixteen 6-bit scales (value sc - 32, signed) at its 12 scale bytes p: scale i takes its low
 // nibble from byte i % 8 (low nibble for i < 8, high for i >= 8) and its top two bits from bits
-// 2 (i / 4), 2 (i / 4) + 1 of byte 8 + i % 4.
+// 2 (i / 4), 2 (i / 4) + 1 of byte 8 + i % 4. Done on 64-bit words, eight bytes at once; sc - 32 of
+// a 6-bit sc is sc with bit 5 flipped, then sign-extended from bit 5.
 inline void q3_k_scales(const uint8_t* p, int8_t* sc) {
-  for (int i = 0; i < 16; ++i)
-    sc[i] = static_cast<int8_t>((((p[i % 8] >> (4 * (i / 8))) & 0xf) | (((p[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) -
-                                32);
+  uint64_t nibbles;
+  uint32_t top;
+  std::memcpy(&nibbles, p, sizeof nibbles);
+  std::memcpy(&top, p + 8, sizeof top);
+  const uint64_t two = 0x0303030303030303ull, flip = 0x2020202020202020ull;
+  const auto bits = [&](int shift) { return static_cast<uint64_t>((top >> shift) & two) << 4; };  // 4 bytes
+  uint64_t words[2] = {(nibbles & 0x0f0f0f0f0f0f0f0full) | bits(0) | bits(2) << 32,
+                       ((nibbles >> 4) & 0x0f0f0f0f0f0f0f0full) | bits(4) | bits(6) << 32};
+  for (uint64_t& w : words) {
+    w ^= flip;
+    const uint64_t sign = w & flip;
+    w |= sign << 1 | sign << 2;
+  }
+  std::memcpy(sc, words, sizeof words);
 }
 
 // One block at p as floats y[0 .. values): each value as ggml computes it, (d * scale) * q - dmin * min.
@@ -282,9 +294,10 @@ inline __m256i nibbles16(const uint8_t* p) {
 
 // One group of W's blocks (one block: 32 or 256 values, `values`), decoded for the dot products:
 // u(c) chunk c's 32 unsigned bytes, s(c) its 8 lane scales (one per 4 values); uv(v), sv(v) the
-// same for vector v of the path (two chunks with NANOSERVE_QUANT_ZMM), except that q8_0 and q4_0
-// there pair two groups in a vector (u(0) of each, pair_scales); q4_k / q5_k also give their mins
-// (min_lanes, place_sums). Built from the block's address once per group, then read per vector.
+// same for vector v of the path (two chunks with NANOSERVE_QUANT_ZMM), except that the 32-value
+// formats there pair two groups in a vector (u(0) of each, pair_scales); q4_k / q5_k also give their
+// mins (min_lanes, place_sums), q4_1 / q5_1 / q2_k theirs lane by lane (mv, pair_mins). Built from
+// the block's address once per group, then read per vector.
 //
 // The template itself is the group of the 32-value formats, one block: its fp16 scale d, then
 // (q4_1, q5_1) the fp16 min m, (q5_0, q5_1) 32 fifth bits (bit i tops value i), then the quants:
@@ -584,6 +597,16 @@ inline __m256i two_bits(const uint8_t* q, int c) {
                           _mm256_set1_epi8(3));
 }
 
+#if defined(NANOSERVE_QUANT_ZMM)
+// The 32 bytes at p in both halves, shifted right by `lo` (lower half) and `hi` (upper) per 16-bit
+// lane, masked by `mask`: two chunks' bits of the same bytes in one vector.
+inline __m512i shifted_pair(const uint8_t* p, int lo, int hi, char mask) {
+  const __m512i by = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(lo))),
+                                        _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p)), by), _mm512_set1_epi8(mask));
+}
+#endif
+
 // q3_k: value 32c + l has u = its two bits of qs[32 (c / 4) + l] (the 64 bytes at 32) at bit
 // 2 (c % 4), topped (bit 2) by bit c of hmask[l] (the 32 bytes at 0), offset 4; sixteen scales
 // d * sc[i] (q3_k_scales), one per 16 values.
@@ -605,7 +628,11 @@ struct Group<kQ3_K> {
   __m256 s(int c) const { return scales.in(c); }
   FV sv(int v) const { return scales.inv(v); }
 #if defined(NANOSERVE_QUANT_ZMM)
-  IV uv(int v) const { return join(u(2 * v), u(2 * v + 1)); }
+  IV uv(int v) const {  // chunks 2v, 2v + 1: the same 32 bytes of qs and of hmask, each shifted two ways
+    const __m512i low = shifted_pair(p + 32 + 32 * (v / 2), 4 * (v % 2), 4 * (v % 2) + 2, 3);
+    const __m512i high = shifted_pair(p, 2 * v, 2 * v + 1, 1);
+    return _mm512_or_si512(low, _mm512_slli_epi16(high, 2));
+  }
 #else
   IV uv(int v) const { return u(v); }
 #endif
@@ -634,7 +661,7 @@ struct Group<kQ2_K> {
   FV sv(int v) const { return scales.inv(v); }
   FV mv(int v) const { return mins.inv(v); }
 #if defined(NANOSERVE_QUANT_ZMM)
-  IV uv(int v) const { return join(u(2 * v), u(2 * v + 1)); }
+  IV uv(int v) const { return shifted_pair(p + 16 + 32 * (v / 2), 4 * (v % 2), 4 * (v % 2) + 2, 3); }
 #else
   IV uv(int v) const { return u(v); }
 #endif
