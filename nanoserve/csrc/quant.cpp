@@ -1,4 +1,4 @@
-// y = x W^T (+ b) with W in GGUF's block formats (q8_0, q4_0, q4_k, q5_k, q6_k), kept quantized,
+// y = x W^T (+ b) with W in GGUF's block formats (quant_blocks.h's list), kept quantized,
 // and the rows of such a W dequantized (embedding gathers): the entry
 // points that kernels.h declares, their checks, and the choice of path per product.
 //
@@ -61,6 +61,13 @@ void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, O* out
   switch (qtype) {
     case kQ8_0: products<kQ8_0>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ4_0: products<kQ4_0>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ4_1: products<kQ4_1>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ5_0: products<kQ5_0>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ5_1: products<kQ5_1>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kIQ4_NL: products<kIQ4_NL>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kIQ4_XS: products<kIQ4_XS>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ3_K: products<kQ3_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ2_K: products<kQ2_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ4_K: products<kQ4_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ5_K: products<kQ5_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ6_K: products<kQ6_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;

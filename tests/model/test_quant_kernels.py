@@ -37,7 +37,9 @@ from nanoserve.native import load_cpu_kernels
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 FORMATS = list(BLOCK_FORMATS)
 # Byte offsets of each format's fp16 scales within a block.
-SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,),
+                 "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,), "q3_k": (108,),
+                 "q2_k": (80, 82)}
 # (M, N, K in blocks): odd N, K with an odd number of 32-value blocks, M across the row-group tails.
 SHAPES = [(1, 1, 1), (1, 7, 3), (1, 13, 4), (2, 9, 2), (3, 33, 5), (4, 8, 4), (5, 67, 3), (7, 5, 8), (16, 64, 4),
           (33, 19, 6), (64, 130, 2)]
@@ -200,6 +202,28 @@ def test_k_quants_cannot_be_quantized_here() -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_s_rows_do_not_depend_on_the_other_rows(fmt: str, dtype: torch.dtype) -> None:
+    """Batch invariance for each block format: CpuLayerOps.linear and .logits give a row the same
+    bits alone, among 3 or 33 rows or among 70 (one path for any number of rows), and the fp32
+    logits rounded to the dtype are linear's output."""
+    lib = load_cpu_kernels()
+    assert lib is not None
+    ops = CpuLayerOps(lib)
+    rng = np.random.default_rng(11 + FORMATS.index(fmt))
+    k = 512
+    w = BlockQuantWeight(fmt, torch.from_numpy(random_blocks(fmt, 67, k, rng)), k, dtype)
+    rows = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32)).to(dtype)
+    whole, logits = ops.linear(rows, w), ops.logits(rows, w)
+    assert logits.dtype == torch.float32
+    for m in (1, 3, 33):
+        assert torch.equal(ops.linear(rows[:m], w), whole[:m]), m
+        assert torch.equal(ops.logits(rows[:m], w), logits[:m]), m
+    assert torch.equal(torch.cat([ops.linear(rows[i:i + 1], w) for i in range(70)]), whole)
+    assert torch.equal(logits.to(dtype), whole)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_layer_ops_products_of_quantized_and_stacked_weights(dtype: torch.dtype) -> None:
     """CpuLayerOps.linear on a stacked weight (q4_k, a dense part, q6_k, with a bias) against the
