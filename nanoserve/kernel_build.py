@@ -6,11 +6,12 @@ Standard library only: `setup.py` loads this file by its path, before nanoserve 
 imported. The sources include no torch header; OpenMP resolves at run time to the libgomp that
 torch has already loaded (same soname).
 
-Variants. Each kernel chooses its path when it is compiled (AVX2; AVX512 with VNNI and BF16; AMX
-tiles), so on x86-64 the package build compiles one library per instruction-set level
-(`X86_VARIANTS`) and `native.py` loads, at run time, the first one whose CPU flags this CPU has. On
-any other machine it compiles one library for the CPU it runs on (`-march=native`), which needs
-that CPU's flags at run time. A CPU below every variant (no AVX2) gets the on-demand native build.
+Variants. Each kernel chooses its path when it is compiled (AVX2; AVX512 with VNNI and BF16; no
+kernel has an AMX path: batch invariance keeps one path per weight format), so on x86-64 the package
+build compiles one library per instruction-set level (`X86_VARIANTS`) and `native.py` loads, at run
+time, the first one whose CPU flags this CPU has. On any other machine it compiles one library for
+the CPU it runs on (`-march=native`), which needs that CPU's flags at run time. A CPU below every
+variant (no AVX2) gets the on-demand native build.
 
 Invariants: a prebuilt folder holds the libraries and a `manifest.json` naming the hash of the
 sources and flags they were built from (`source_hash`) and, best first, each variant's file and
@@ -53,8 +54,6 @@ _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-6
 _AVX512 = ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16")
 # Best first: the first whose flags a CPU has is the one it runs.
 X86_VARIANTS = (
-    Variant("amx", (*_AVX512, "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
-            _V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}),
     Variant("avx512", _AVX512, _V4 | {"avx512_vnni", "avx512_bf16"}),
     Variant("avx2", ("-march=x86-64-v3",), _V3),
 )
@@ -108,7 +107,7 @@ def compile_library(compiler: str, isa: tuple[str, ...], path: Path) -> None:
 def build_prebuilt(compiler: str, folder: Path, jobs: int) -> tuple[list[str], dict[str, str]]:
     """Compiles every variant of `build_variants` into `folder` (`jobs` compilers at a time) and
     writes the manifest of those that built. Returns (the names built, the error of each that did
-    not: e.g. a compiler too old for AMX's flags)."""
+    not: e.g. a compiler too old for a variant's flags)."""
     variants = build_variants()
     digest = source_hash()
 

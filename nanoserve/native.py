@@ -112,9 +112,11 @@ _PER_DTYPE = {
 # The ctypes signature of every entry point of the library, by name.
 SIGNATURES: dict[str, Signature] = {
     **{f"{name}_{suffix}": sig for name, sig in _PER_DTYPE.items() for suffix in DTYPE_SUFFIX.values()},
+    # linear.cpp, quant.cpp: bf16 products with fp32 outputs (the LM head)
+    "nanoserve_linear_bf16_out_f32": _PER_DTYPE["nanoserve_linear"],
+    "nanoserve_quant_linear_bf16_out_f32": _PER_DTYPE["nanoserve_quant_linear"],
     "nanoserve_linear_bf16_native": Signature(_INT, ()),  # linear.cpp
     "nanoserve_quant_isa": Signature(_INT, ()),  # quant.cpp
-    "nanoserve_quant_amx_rows": Signature(_INT, ()),  # quant.cpp
 }
 
 

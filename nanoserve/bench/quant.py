@@ -1,10 +1,12 @@
-"""`nanoserve bench quant`: nanoserve against llama.cpp on the same GGUF files, BF16, Q8_0 and Q4_K_M.
+"""`nanoserve bench quant`: nanoserve against llama.cpp on the same GGUF files, BF16, Q8_0 and Q4_K_M
+by default, or any of FORMATS (llama.cpp's file types of the block formats nanoserve multiplies).
 
 Files. For each `--model-shape` preset: its random-weight folder (`nanoserve.bench.shapes`), a BF16
-GGUF written from it (`gguf_export`, through `peers.gguf_for`), and the Q8_0 and Q4_K_M GGUFs made
-from that BF16 file by llama.cpp's own quantizer (`llama_model_quantize`), so both engines read the
-very same bytes. All are cached under the nanoserve cache dir. Without llama-cpp-python the Q8_0
-file is `gguf_export`'s and there is no Q4_K_M.
+GGUF written from it (`gguf_export`, through `peers.gguf_for`), and the Q8_0, Q4_K_M, ... GGUFs made
+from that BF16 file by llama.cpp's own quantizer (`llama_model_quantize`, which mixes types as its
+file type says: the LM head of a Q4_1 file is Q6_K), so both engines read the very same bytes. All
+are cached under the nanoserve cache dir. Without llama-cpp-python the Q8_0 file is `gguf_export`'s
+and there are no others.
 
 Runs. For each file and engine, one freshly spawned process (so that its resident memory is its
 own) loads the file once and measures, greedy with EOS ignored:
@@ -56,7 +58,8 @@ from nanoserve.bench.workloads import Workload
 from nanoserve.kv.manager import blocks_needed
 from nanoserve.model.config import ModelConfig
 
-FORMATS = ("BF16", "Q8_0", "Q4_K_M")
+FORMATS = ("BF16", "Q8_0", "Q4_K_M", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q3_K_M", "Q2_K")
+DEFAULT_FORMATS = FORMATS[:3]
 ENGINES = ("nanoserve", "llama.cpp")
 DEFAULT_SHAPES = ("qwen3-0.6b", "llama-3.2-1b")
 BLOCK_SIZE = 16
@@ -74,7 +77,7 @@ class QuantBenchConfig:
     quantization mode); `overrides` replace config fields of every shape (for quick checks)."""
 
     shapes: tuple[str, ...] = DEFAULT_SHAPES
-    formats: tuple[str, ...] = FORMATS
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     engines: tuple[str, ...] = ENGINES
     prompt_len: int = 16
     single_tokens: int = 64
@@ -101,10 +104,10 @@ class QuantBenchConfig:
             raise ValueError("a decode rate needs at least 2 output tokens (the first comes from prefill)")
         if any(b < 2 for b in self.batch_sizes):
             raise ValueError("batch sizes must be at least 2 (batch 1 is the single-stream run)")
-        needs_llama = "llama.cpp" in self.engines or "Q4_K_M" in self.formats
+        needs_llama = "llama.cpp" in self.engines or bool(set(self.formats) - {"BF16", "Q8_0"})
         if needs_llama and not llama_cpp_available():
-            raise ValueError("llama.cpp and the Q4_K_M file need llama-cpp-python (pip install -c constraints.txt "
-                             "llama-cpp-python); or run --engines nanoserve --formats bf16 q8_0")
+            raise ValueError("llama.cpp and files other than BF16 and Q8_0 need llama-cpp-python (pip install -c "
+                             "constraints.txt llama-cpp-python); or run --engines nanoserve --formats bf16 q8_0")
 
     @property
     def max_model_len(self) -> int:
@@ -145,16 +148,15 @@ class FileInfo:
 
 
 def quantize_with_llama_cpp(src: Path, out: Path, fmt: str, threads: int) -> Path:
-    """`src` (a BF16 or F32 GGUF) quantized by llama.cpp to `fmt` (Q8_0 or Q4_K_M) at `out`,
+    """`src` (a BF16 or F32 GGUF) quantized by llama.cpp to `fmt` (one of FORMATS but BF16) at `out`,
     written under a temporary name and renamed into place."""
     import logging
 
     import llama_cpp as lc
 
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    ftypes = {"Q8_0": lc.LLAMA_FTYPE_MOSTLY_Q8_0, "Q4_K_M": lc.LLAMA_FTYPE_MOSTLY_Q4_K_M}
     params = lc.llama_model_quantize_default_params()
-    params.ftype, params.nthread = ftypes[fmt], threads
+    params.ftype, params.nthread = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{fmt}"), threads
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     if lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         tmp.unlink(missing_ok=True)

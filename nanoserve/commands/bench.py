@@ -2,7 +2,7 @@
 (optionally beside peers, with the rooflines); `bench serve` load-tests an OpenAI-compatible server;
 `bench shape` prints the folder of a `--model-shape` preset (to serve it); `bench structured`
 compares decode steps constrained by a JSON schema with unconstrained ones; `bench quant` runs
-nanoserve and llama.cpp on the same BF16, Q8_0 and Q4_K_M GGUF files."""
+nanoserve and llama.cpp on the same BF16, Q8_0 and Q4_K_M GGUF files (or other llama.cpp file types)."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def _run_structured(ns: argparse.Namespace) -> int:
 
 
 def _register_quant(kinds: argparse._SubParsersAction) -> None:
-    from nanoserve.bench.quant import DEFAULT_SHAPES, ENGINES, FORMATS, QuantBenchConfig
+    from nanoserve.bench.quant import DEFAULT_FORMATS, DEFAULT_SHAPES, ENGINES, FORMATS, QuantBenchConfig
 
     q = kinds.add_parser("quant", help="nanoserve vs llama.cpp on the same BF16, Q8_0 and Q4_K_M GGUF files",
                          description="For each model shape (random weights): a BF16 GGUF and the Q8_0 and Q4_K_M "
@@ -146,7 +146,8 @@ def _register_quant(kinds: argparse._SubParsersAction) -> None:
     q.add_argument("--model-shape", nargs="+", choices=sorted(PRESETS), default=list(DEFAULT_SHAPES))
     q.add_argument("--shape-override", nargs="+", default=[], metavar="KEY=VALUE",
                    help="config fields to replace in every shape (e.g. num_hidden_layers=2)")
-    q.add_argument("--formats", nargs="+", type=str.upper, choices=FORMATS, default=list(FORMATS))
+    q.add_argument("--formats", nargs="+", type=str.upper, choices=FORMATS, default=list(DEFAULT_FORMATS),
+                   help="the files, by llama.cpp's file type (default: %(default)s)")
     q.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     q.add_argument("--prompt-len", type=int, default=d["prompt_len"], help="prompt tokens of every request")
     q.add_argument("--single-tokens", type=int, default=d["single_tokens"], help="output tokens, single stream")

@@ -15,11 +15,12 @@ _HELP = {
     "device": "cpu or cuda",
     "quantization": "none (the matrices as the checkpoint holds them), int8: quantize a safetensors checkpoint's "
                     "layer matrices (q/k/v, o, gate/up, down) to Q8_0 blocks at load (per-32-value fp16 scales; the "
-                    "embedding, LM head and norms stay --dtype). A GGUF file's Q8_0, Q4_0, Q4_K, Q5_K and Q6_K "
-                    "matrices stay quantized (the file decides; int8 must match it) unless dense: the reference "
-                    "mode, every matrix dense in --dtype (a GGUF file's blocks dequantized at load, so no product "
-                    "quantizes its activations; with --dtype float32 the products are transformers' on the same "
-                    "dequantized weights). CPU only: on CUDA weights are dequantized to --dtype",
+                    "embedding, LM head and norms stay --dtype). A GGUF file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                    "IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K and Q2_K matrices stay quantized (the file decides; "
+                    "int8 must match it) unless dense: the reference mode, every matrix dense in --dtype (a GGUF "
+                    "file's blocks dequantized at load, so no product quantizes its activations; with --dtype "
+                    "float32 the products are transformers' on the same dequantized weights). CPU only: on CUDA "
+                    "weights are dequantized to --dtype",
     "max_model_len": "context length limit (default: the model's)",
     "threads": "compute threads of the engine: torch's intra-op threads and the C++ kernels', set in the engine's "
                "process (default: torch's, one per core this process may use)",

@@ -5,8 +5,8 @@
 // CpuPagedAttention, in the same order, with the same arguments and thread count, so its output is
 // bit for bit theirs; what it saves is the Python between them: ~13 calls per layer, each with its
 // interpreter, argument conversion and tensor allocation, which for a small model or a single
-// sequence cost as much as the arithmetic. Only steps whose every product goes to linear.cpp or
-// quant.cpp come here (see nanoserve/model/native_decoder.py); the rest stay on the Python path.
+// sequence cost as much as the arithmetic. Every product goes to linear.cpp or quant.cpp, for any
+// number of tokens, so steps of every size come here (see nanoserve/model/native_decoder.py).
 //
 // Per layer, on the flat batch of n new tokens (hidden rows of the residual stream):
 //   normed = RMSNorm(residual += x)          x: the previous layer's MLP output (zeros at layer 0)
@@ -63,6 +63,10 @@ inline void linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint
                    int64_t K, int t) {
   nanoserve_linear_bf16(x, w, b, o, M, N, K, t);
 }
+inline void linear(const uint16_t* x, const uint16_t* w, const uint16_t* b, float* o, int64_t M, int64_t N, int64_t K,
+                   int t) {
+  nanoserve_linear_bf16_out_f32(x, w, b, o, M, N, K, t);
+}
 inline void quant_linear(const float* x, const uint8_t* w, int qtype, const float* b, float* o, int64_t stride,
                          int64_t M, int64_t N, int64_t K, int t) {
   nanoserve_quant_linear_f32(x, w, qtype, b, o, stride, M, N, K, t);
@@ -70,6 +74,10 @@ inline void quant_linear(const float* x, const uint8_t* w, int qtype, const floa
 inline void quant_linear(const uint16_t* x, const uint8_t* w, int qtype, const uint16_t* b, uint16_t* o,
                          int64_t stride, int64_t M, int64_t N, int64_t K, int t) {
   nanoserve_quant_linear_bf16(x, w, qtype, b, o, stride, M, N, K, t);
+}
+inline void quant_linear(const uint16_t* x, const uint8_t* w, int qtype, const uint16_t* b, float* o, int64_t stride,
+                         int64_t M, int64_t N, int64_t K, int t) {
+  nanoserve_quant_linear_bf16_out_f32(x, w, qtype, b, o, stride, M, N, K, t);
 }
 inline void dequantize_rows(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows, int64_t n,
                             float* o, int t) {
@@ -100,11 +108,11 @@ inline int paged_attention(const uint16_t* q, int64_t qs, const uint16_t* cache,
                                         bs, nb, scale, t);
 }
 
-// out [M, sum of the parts' rows] = x [M, K] w^T (+ bias), as CpuLayerOps.linear computes it: a
-// single dense matrix by linear.cpp; otherwise each part into its columns of out (a dense part
-// through a buffer, with its slice of the bias).
-template <typename T>
-void product(const T* x, const Matrix& w, const T* bias, T* out, int64_t M, int64_t K, int num_threads) {
+// out [M, sum of the parts' rows] = x [M, K] w^T (+ bias), as CpuLayerOps.linear computes it (O
+// T), or CpuLayerOps.logits (O float): a single dense matrix by linear.cpp; otherwise each part into
+// its columns of out (a dense part through a buffer, with its slice of the bias).
+template <typename T, typename O>
+void product(const T* x, const Matrix& w, const T* bias, O* out, int64_t M, int64_t K, int num_threads) {
   int64_t N = 0;
   for (int64_t p = 0; p < w.num_parts; ++p) N += w.parts[p].rows;
   if (w.num_parts == 1 && w.parts[0].qtype < 0) {
@@ -119,10 +127,10 @@ void product(const T* x, const Matrix& w, const T* bias, T* out, int64_t M, int6
                    N, M, part.rows, K, num_threads);
       continue;
     }
-    std::unique_ptr<T[]> columns(new T[M * part.rows]);
+    std::unique_ptr<O[]> columns(new O[M * part.rows]);
     linear(x, static_cast<const T*>(part.data), part_bias, columns.get(), M, part.rows, K, num_threads);
     for (int64_t m = 0; m < M; ++m)
-      std::memcpy(out + m * N + offset, columns.get() + m * part.rows, part.rows * sizeof(T));
+      std::memcpy(out + m * N + offset, columns.get() + m * part.rows, part.rows * sizeof(O));
   }
 }
 
@@ -199,7 +207,7 @@ float softmax_denominator(const T* row, int64_t vocab, float top) {
 // Greedy drafting for speculative decoding: the first pass over the prepared batch (each sequence's
 // tokens not yet computed), then one single-token pass per further draft for the sequences still
 // drafting, all in here. After each pass the LM head runs on each sequence's last hidden state (the
-// library's product, as CausalLM.compute_logits makes it); the draft is the argmax of the first
+// library's product with fp32 outputs, as CausalLM.compute_logits makes it); the draft is the argmax of the first
 // `vocab` logits (the tokens the engine samples from: a checkpoint's padding rows are never drafted)
 // as floats (the first on ties, as torch's argmax), and a sequence goes on while it has budget left
 // and the draft model gave its draft at least `min_confidence` probability (softmax at temperature
@@ -217,8 +225,8 @@ int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights
                  const int64_t* budgets, int64_t max_budget, float min_confidence, int64_t* drafts,
                  int64_t* num_drafts, int num_threads) {
   const int64_t rows = dims[0], hidden = dims[1];  // the whole head, as compute_logits multiplies it
-  std::unique_ptr<T[]> out(new T[std::max(n, num_seqs) * hidden]), last(new T[num_seqs * hidden]),
-      logits(new T[num_seqs * rows]);
+  std::unique_ptr<T[]> out(new T[std::max(n, num_seqs) * hidden]), last(new T[num_seqs * hidden]);
+  std::unique_ptr<float[]> logits(new float[num_seqs * rows]);
   int rc = decoder_forward(dims, eps, scale, layers, embed, final_norm, cos_table, sin_table, table_len, kv_cache,
                            num_blocks, block_size, ids, positions, n, slot_mapping, block_tables, table_stride,
                            seq_lens, query_start, num_seqs, out.get(), num_threads);
@@ -237,7 +245,7 @@ int draft_greedy(const int64_t* dims, float eps, float scale, const LayerWeights
     product(last.get(), *lm_head, static_cast<const T*>(nullptr), logits.get(), m, hidden, num_threads);
     int64_t kept = 0;
     for (int64_t j = 0; j < m; ++j) {
-      const T* row = logits.get() + j * rows;
+      const float* row = logits.get() + j * rows;
       int64_t best = 0;
       float top = nanoserve::to_float(row[0]);
       for (int64_t v = 1; v < vocab; ++v)

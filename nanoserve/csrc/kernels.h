@@ -57,6 +57,8 @@ void nanoserve_linear_f32(const float* x, const float* w, const float* bias, flo
                           int64_t K, int num_threads);
 void nanoserve_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M,
                            int64_t N, int64_t K, int num_threads);
+void nanoserve_linear_bf16_out_f32(const uint16_t* x, const uint16_t* w, const uint16_t* bias, float* out, int64_t M,
+                                   int64_t N, int64_t K, int num_threads);
 int nanoserve_linear_bf16_native();
 
 // quant.cpp (qtype: GGUF's tensor type id; weights the raw blocks, [N, row_bytes])
@@ -64,12 +66,14 @@ int nanoserve_quant_linear_f32(const float* x, const uint8_t* w, int qtype, cons
                                int64_t out_stride, int64_t M, int64_t N, int64_t K, int num_threads);
 int nanoserve_quant_linear_bf16(const uint16_t* x, const uint8_t* w, int qtype, const uint16_t* bias, uint16_t* out,
                                 int64_t out_stride, int64_t M, int64_t N, int64_t K, int num_threads);
+int nanoserve_quant_linear_bf16_out_f32(const uint16_t* x, const uint8_t* w, int qtype, const uint16_t* bias,
+                                        float* out, int64_t out_stride, int64_t M, int64_t N, int64_t K,
+                                        int num_threads);
 int nanoserve_dequantize_rows_f32(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows,
                                   int64_t n, float* out, int num_threads);
 int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows,
                                    int64_t n, uint16_t* out, int num_threads);
 int nanoserve_quant_isa();
-int nanoserve_quant_amx_rows();
 
 // paged_attention.cpp
 int nanoserve_paged_attention_f32(const float* q, int64_t q_stride, const float* cache, float* out,

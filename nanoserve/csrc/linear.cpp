@@ -1,6 +1,5 @@
-// y = x W^T (+ b) on the CPU: in fp32 for a few rows of x (the matrix products of decode steps, of
-// verification steps carrying a few drafts, and of the LM head over the sampled rows), in bf16 for
-// any number.
+// y = x W^T (+ b) on the CPU, in fp32 and bf16, for any number of rows of x: every product of a
+// dense model on nanoserve's CPU path, decode steps and prefill chunks alike.
 //
 // Part of the CPU kernel library that nanoserve/native.py builds at first use (see there). A BLAS
 // GEMM is tuned for large M: MKL's fp32 GEMM costs several times as much for 5 rows as for 1, and
@@ -13,8 +12,15 @@
 //
 // Structure: x in blocks of 64 rows (which stay in L2); for each, output columns are shared among
 // `num_threads` OpenMP threads in blocks of 64; in each, a few rows of W at a time against the rows
-// of x in groups of up to four, with one vector accumulator per (row of W, row of x), each reduced
-// by one horizontal sum at the end. x is widened to fp32 once, into a buffer, when T is bf16.
+// of x in groups of up to four, with kChainsF32 vector accumulators per (row of W, row of x),
+// reduced by one horizontal sum at the end. x is widened to fp32 once, into a buffer, when T is bf16.
+//
+// Invariant (batch invariance): each output's sequence of floating-point operations depends on K,
+// on its row of x and its row of W only, never on M, on the row's place among the rows of x, on
+// the column's place in a range or on the thread count: the groupings above only decide which
+// outputs are computed side by side. So a request's rows give the same bits whatever shares the
+// step. (The cost: large-M fp32 and AVX512-BF16 products stay here rather than in torch's GEMM,
+// which sums in another order; docs/benchmarks.md, "One answer per prompt".)
 //
 // On CPUs with AVX512-BF16 (built with -march=native there) bf16 takes another inner loop: x stays
 // bf16 and each instruction (vdpbf16ps) multiplies 32 pairs of bf16 values exactly and adds them, two
@@ -40,20 +46,27 @@ namespace {
 
 using namespace nanoserve;
 
-constexpr int kRowsX = 4;                  // rows of x per pass over K, at most (5 on the vdpbf16ps path when 5 remain)
+#if defined(__AVX512F__)
+constexpr int kRowsX = 4;  // rows of x per pass over K, at most (5 on the vdpbf16ps path when 5 remain)
+#else
+constexpr int kRowsX = 3;  // (16 vector registers: 3 x 2 x 2 accumulators, the W vectors and one of x)
+#endif
 constexpr int64_t kRowsPerBlock = 64;      // rows of x per pass over all of W
 constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work item
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
-constexpr int64_t kRowStreamK = 1024;      // vdpbf16ps, one row of x: from this K, W a row at a time
+constexpr int64_t kRowStreamK = 1024;      // vdpbf16ps: from this K, W a row at a time (long rows)
+constexpr int kChainsF32 = 2;              // fp32 loop: accumulators per (row of x, row of W)
 
 // res[m][j] = xf[m] . w[j] for m < MX, j < NW: NW rows of W (stride K) against MX rows of xf
-// (stride K), with U vector accumulators per (m, j) over interleaved stretches of K, so that at
-// least eight independent FMA chains are in flight (an FMA's latency is four or five cycles, and two
-// issue per cycle). The next NW rows of W are prefetched meanwhile: the NW interleaved streams
-// defeat the hardware prefetcher.
+// (stride K), with U = kChainsF32 vector accumulators per (m, j) over interleaved stretches of K
+// (at least eight FMA chains in flight for one row of x by four of W, or more rows of x: an FMA's
+// latency is four or five cycles, and two issue per cycle). U is the same for every NW and MX, so
+// each output takes the same sequence of operations whatever the number of rows of x and its
+// place among them (batch invariance). The next NW rows of W are prefetched meanwhile: the NW
+// interleaved streams defeat the hardware prefetcher.
 template <typename T, int NW, int MX>
 inline void dot_block(const float* xf, const T* w, int64_t K, float (*res)[8]) {
-  constexpr int U = MX * NW >= 8 ? 1 : MX * NW >= 4 ? 2 : 4;
+  constexpr int U = kChainsF32;
   vec8 acc[U][MX][NW] = {};
   int64_t k = 0;
   for (; k + U * kLanes <= K; k += U * kLanes) {
@@ -97,35 +110,51 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// One row of x against one row of W with vdpbf16ps, over four accumulators (interleaved stretches of
-// 32 values) so that four chains are in flight. A single row of x takes W one row at a time: W then
-// streams as one sequential run, which the hardware prefetcher follows best, from memory and from
-// cache alike (faster than eight rows read side by side; software prefetches only slow it).
-inline float dot_row_bf16(const uint16_t* x, const uint16_t* w, int64_t K) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+// MX rows of x against one row of W with vdpbf16ps, for long rows (K >= kRowStreamK): four
+// accumulators per row of x (interleaved stretches of 32 values) so that four chains are in flight
+// for a single row of x. Rows this long take W one row at a time whatever the number of rows of x:
+// W then streams as one sequential run, which the hardware prefetcher follows best, from memory
+// and from cache alike (faster than eight rows read side by side; software prefetches only slow
+// it), and each output is reduced in the same order for any MX.
+template <int MX>
+inline void dot_long_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float (*res)[8]) {
+  __m512 acc[MX][4];
+  for (int m = 0; m < MX; ++m)
+    for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 128 <= K; k += 128)
-    for (int u = 0; u < 4; ++u)
-      acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(x + k + 32 * u),
-                                (__m512bh)_mm512_loadu_si512(w + k + 32 * u));
-  for (; k + 32 <= K; k += 32)
-    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
+    for (int u = 0; u < 4; ++u) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
+      for (int m = 0; m < MX; ++m)
+        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u), wv);
+    }
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int m = 0; m < MX; ++m)
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
+  }
   if (k < K) {
     const __mmask32 mask = (__mmask32{1} << (K - k)) - 1;
-    acc[1] = _mm512_dpbf16_ps(acc[1], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k),
-                              (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k));
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+    for (int m = 0; m < MX; ++m)
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
   }
-  const __m128 sums = hsum4(acc[0], acc[1], acc[2], acc[3]);
-  return (sums[0] + sums[1]) + (sums[2] + sums[3]);
+  for (int m = 0; m < MX; ++m) {
+    const __m128 sums = hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+    res[m][0] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+  }
 }
 
 // dot_block for bf16 x (stride K) against bf16 W with vdpbf16ps: one zmm accumulator per (m, j),
-// 32 values of K per instruction (K's last partial stretch through masked loads, which read zeros).
+// 32 values of K per instruction (K's last partial stretch through masked loads, which read zeros),
+// each reduced by hsum4's tree whatever NW; long rows (one row of W at a time) by dot_long_bf16.
 template <int NW, int MX>
 inline void dot_block_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float (*res)[8]) {
-  if constexpr (NW == 1 && MX == 1) {
-    res[0][0] = dot_row_bf16(x, w, K);
-    return;
+  if constexpr (NW == 1) {
+    if (K >= kRowStreamK) {
+      dot_long_bf16<MX>(x, w, K, res);
+      return;
+    }
   }
   __m512 acc[MX][NW];
   for (int m = 0; m < MX; ++m)
@@ -148,8 +177,9 @@ inline void dot_block_bf16(const uint16_t* x, const uint16_t* w, int64_t K, floa
     if constexpr (NW % 4 == 0) {
       for (int j = 0; j < NW; j += 4)
         _mm_storeu_ps(res[m] + j, hsum4(acc[m][j], acc[m][j + 1], acc[m][j + 2], acc[m][j + 3]));
-    } else {
-      for (int j = 0; j < NW; ++j) res[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+    } else {  // the same tree as above, for the last columns of a range
+      const __m512 zero = _mm512_setzero_ps();
+      for (int j = 0; j < NW; ++j) res[m][j] = hsum4(acc[m][j], zero, zero, zero)[0];
     }
   }
 }
@@ -175,8 +205,8 @@ inline void dot(const X* x, const T* w, int64_t K, float (*res)[8]) {
 // L1 meanwhile). The vdpbf16ps path takes five when there are five (a decode step's last token and
 // four drafts in one pass: twenty accumulators, where 4 + 1 rows would leave the fifth row's pass
 // with four dependency chains).
-template <typename X, typename T, int NW>
-void columns(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K, int64_t n0) {
+template <typename X, typename T, typename O, int NW>
+void columns(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t n0) {
   static_assert(NW <= 8, "res holds 8 columns");
   constexpr bool dp = !std::is_same_v<X, float>;
   float res[kRowsX + 1][8];
@@ -202,33 +232,33 @@ void columns(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t 
 // One row of x streams W four rows at a time (each over two interleaved stretches of K: eight FMA
 // chains, four memory streams; eight streams are slower on bf16 weights beyond L3); more
 // rows of x take W two rows at a time against up to four of theirs, so that each W vector loaded
-// (and, for bf16, widened) feeds four FMAs. On the vdpbf16ps path, one row of x takes W one row at a
-// time (dot_row_bf16) where rows are long, else eight rows at a time (short rows: a reduction per row
-// would cost as much as the row), and more rows of x take W four rows at a time (sixteen or twenty
-// accumulators).
-template <typename X, typename T, int NW>
-void column_range(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K,
+// (and, for bf16, widened) feeds four FMAs. On the vdpbf16ps path, long rows take W one row at a
+// time (dot_long_bf16) for any number of rows of x; shorter rows, at one row of x, eight rows at a
+// time (a reduction per row would cost as much as the row), and more rows of x take W four rows at
+// a time (sixteen or twenty accumulators).
+template <typename X, typename T, typename O, int NW>
+void column_range(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K,
                   int64_t begin, int64_t end) {
   int64_t n = begin;
-  for (; n + NW <= end; n += NW) columns<X, T, NW>(xf, w, bias, out, M, N, K, n);
-  for (; n < end; ++n) columns<X, T, 1>(xf, w, bias, out, M, N, K, n);
+  for (; n + NW <= end; n += NW) columns<X, T, O, NW>(xf, w, bias, out, M, N, K, n);
+  for (; n < end; ++n) columns<X, T, O, 1>(xf, w, bias, out, M, N, K, n);
 }
 
-template <typename X, typename T>
-void products(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K, int num_threads) {
+template <typename X, typename T, typename O>
+void products(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K, int num_threads) {
   constexpr bool dp = !std::is_same_v<X, float>;
   const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerBlock) {  // a block of x stays in L2 while W streams by
     const int64_t mb = std::min(kRowsPerBlock, M - m0);
     const X* xb = xf + m0 * K;
-    T* ob = out + m0 * N;
+    O* ob = out + m0 * N;
     const auto task_range = [&](int64_t begin, int64_t end) {
-      if (mb == 1 && dp && K >= kRowStreamK)
-        column_range<X, T, 1>(xb, w, bias, ob, mb, N, K, begin, end);
+      if (dp && K >= kRowStreamK)
+        column_range<X, T, O, 1>(xb, w, bias, ob, mb, N, K, begin, end);
       else if (mb == 1)
-        column_range<X, T, dp ? 8 : 4>(xb, w, bias, ob, mb, N, K, begin, end);
+        column_range<X, T, O, dp ? 8 : 4>(xb, w, bias, ob, mb, N, K, begin, end);
       else
-        column_range<X, T, dp ? 4 : 2>(xb, w, bias, ob, mb, N, K, begin, end);
+        column_range<X, T, O, dp ? 4 : 2>(xb, w, bias, ob, mb, N, K, begin, end);
     };
     if (num_threads <= 1 || mb * N * K < kParallelWork) {  // no OpenMP region to enter
       task_range(0, N);
@@ -240,8 +270,8 @@ void products(const X* xf, const T* w, const T* bias, T* out, int64_t M, int64_t
   }
 }
 
-template <typename T>
-void linear(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N, int64_t K, int num_threads) {
+template <typename T, typename O>
+void linear(const T* x, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K, int num_threads) {
   if constexpr (std::is_same_v<T, float> || kDotBf16) {  // x as it is: fp32, or bf16 for vdpbf16ps
     products(x, w, bias, out, M, N, K, num_threads);
   } else {  // bf16 x widened to fp32 once
@@ -255,14 +285,19 @@ void linear(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t N,
 
 extern "C" {
 
-// out = x w^T + bias (bias may be null) for x [M, K], w [N, K]; any M (a BLAS GEMM is faster for
-// large M in fp32, but not torch's in bf16 without native bf16 instructions).
+// out = x w^T + bias (bias may be null) for x [M, K], w [N, K]; any M, each row's outputs the same
+// bits whatever M (see the invariant above).
 void nanoserve_linear_f32(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N,
                           int64_t K, int num_threads) {
   linear(x, w, bias, out, M, N, K, num_threads);
 }
 void nanoserve_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M,
                            int64_t N, int64_t K, int num_threads) {
+  linear(x, w, bias, out, M, N, K, num_threads);
+}
+// The same products with the fp32 sums written as they are (no rounding to bf16): the LM head.
+void nanoserve_linear_bf16_out_f32(const uint16_t* x, const uint16_t* w, const uint16_t* bias, float* out, int64_t M,
+                                   int64_t N, int64_t K, int num_threads) {
   linear(x, w, bias, out, M, N, K, num_threads);
 }
 

@@ -1,23 +1,22 @@
-// y = x W^T (+ b) with W in GGUF's block formats (q8_0, q4_0, q4_k, q5_k, q6_k), kept quantized,
-// and the rows of such a W dequantized (embedding gathers, tiles for a bf16 product): the entry
+// y = x W^T (+ b) with W in GGUF's block formats (quant_blocks.h's list), kept quantized,
+// and the rows of such a W dequantized (embedding gathers): the entry
 // points that kernels.h declares, their checks, and the choice of path per product.
 //
 // Part of the CPU kernel library that nanoserve/native.py builds at first use (see there). One
 // translation unit with private headers, each included here only, by job:
-//   quant_isa.h     the path (AVX512-VNNI, AVX-VNNI, AVX2, scalar; AMX) the flags select, and the
+//   quant_isa.h     the path (AVX512-VNNI, AVX-VNNI, AVX2, scalar) the flags select, and the
 //                   vector operations the others are written in
 //   quant_blocks.h  the GGUF block formats: layouts, unpacking of W's groups, row dequantization
 //   quant_dot.h     the int8 dot products: activation quantization, dot_block, q8_0_dot4
-//   quant_amx.h     the AMX tile products (bf16 x of many rows)
 // Without AVX2 a plain scalar loop (here) dequantizes each row of W and multiplies it with x in
 // fp32 (no activation quantization). nanoserve_quant_isa reports which path the build takes.
 //
 // Structure (as linear.cpp): output columns shared among OpenMP threads in tasks of 64 rows of W,
-// each task quant_dot.h's column_range. These products are for a few dozen rows of x at most: on
-// CPUs with AMX, bf16 x of kAmxRows rows or more goes to AMX tiles of W dequantized (amx_products);
-// elsewhere, where a GEMM on bf16 / fp32 is much faster per multiply-add than the int8 lanes,
-// CpuLayerOps multiplies tiles of W dequantized by dequantize_rows instead (see
-// nanoserve/model/layer_ops.py for the cut).
+// each task quant_dot.h's column_range. Every product with a block-quantized W comes here, for any
+// number of rows of x: one path per weight format (activations quantized to 8 bits per block of 32),
+// so each output is the same bits whatever else shares the step (batch invariance: no switch to AMX
+// tiles or to a GEMM on dequantized tiles past some number of rows, which would sum other values in
+// another order).
 //
 // Layouts: x [M, K] contiguous; W [N, row_bytes] (quant_blocks.h); bias [N] or null (x's type); out
 // row m at out + m * out_stride (out_stride >= N: a fused matrix's parts write column slices of one
@@ -29,7 +28,6 @@
 #include <vector>
 
 #include "kernels.h"
-#include "quant_amx.h"
 #include "quant_blocks.h"
 #include "quant_dot.h"
 #include "simd.h"
@@ -41,27 +39,14 @@ constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thr
 
 #if defined(__AVX2__)
 
-// out = x W^T (+ bias) for W of type Q: in AMX tiles (the first N - N % 16 columns) where the build
-// has them and x is bf16 of kAmxRows rows or more, else by the int8 dot products, tasks of
-// kColumnsPerTask columns shared among the threads (one thread below kParallelWork multiply-adds).
-template <int Q, typename T>
-void products(const T* x, const uint8_t* w, const T* bias, T* out, int64_t out_stride, int64_t M, int64_t N,
+// out = x W^T (+ bias) for W of type Q by the int8 dot products, tasks of kColumnsPerTask columns
+// shared among the threads (one thread below kParallelWork multiply-adds).
+template <int Q, typename T, typename O>
+void products(const T* x, const uint8_t* w, const T* bias, O* out, int64_t out_stride, int64_t M, int64_t N,
               int64_t K, int num_threads) {
   constexpr int64_t step = std::max<int64_t>(layout(Q).values, kVecValues);
   const int64_t row_bytes = K / layout(Q).values * layout(Q).bytes, Kp = (K + step - 1) / step * step;
   Activations a;
-#if defined(NANOSERVE_QUANT_AMX)
-  if constexpr (sizeof(T) == sizeof(uint16_t))
-    if (M >= kAmxRows && amx_permitted()) {
-      const int64_t N16 = N / 16 * 16;
-      amx_products<Q>(x, w, row_bytes, bias, out, out_stride, M, N16, K, num_threads);
-      if (N16 < N) {  // the last N % 16 columns through the int8 products
-        quantize_activations(x, M, K, Kp, offset_of(Q), a);
-        column_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, N16, N);
-      }
-      return;
-    }
-#endif
   quantize_activations(x, M, K, Kp, offset_of(Q), a);
   const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * N * K >= kParallelWork)
@@ -70,12 +55,19 @@ void products(const T* x, const uint8_t* w, const T* bias, T* out, int64_t out_s
                     std::min(N, (task + 1) * kColumnsPerTask));
 }
 
-template <typename T>
-void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out, int64_t out_stride, int64_t M,
+template <typename T, typename O>
+void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, O* out, int64_t out_stride, int64_t M,
                   int64_t N, int64_t K, int num_threads) {
   switch (qtype) {
     case kQ8_0: products<kQ8_0>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ4_0: products<kQ4_0>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ4_1: products<kQ4_1>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ5_0: products<kQ5_0>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ5_1: products<kQ5_1>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kIQ4_NL: products<kIQ4_NL>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kIQ4_XS: products<kIQ4_XS>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ3_K: products<kQ3_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
+    case kQ2_K: products<kQ2_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ4_K: products<kQ4_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ5_K: products<kQ5_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
     case kQ6_K: products<kQ6_K>(x, w, bias, out, out_stride, M, N, K, num_threads); break;
@@ -85,8 +77,8 @@ void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out
 
 #else  // no AVX2: each row of W dequantized, then multiplied with x in fp32
 
-template <typename T>
-void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out, int64_t out_stride, int64_t M,
+template <typename T, typename O>
+void quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, O* out, int64_t out_stride, int64_t M,
                   int64_t N, int64_t K, int num_threads) {
   const BlockLayout b = layout(qtype);
   const int64_t row_bytes = K / b.values * b.bytes;
@@ -118,8 +110,8 @@ void dequantize_rows(const uint8_t* w, int qtype, int64_t K, const int64_t* rows
 bool takes(int qtype, int64_t K) { return layout(qtype).values != 0 && K % layout(qtype).values == 0; }
 
 // The entry points' checks around quant_linear and dequantize_rows (see their declarations below).
-template <typename T>
-int checked_quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, T* out, int64_t out_stride,
+template <typename T, typename O>
+int checked_quant_linear(const T* x, const uint8_t* w, int qtype, const T* bias, O* out, int64_t out_stride,
                          int64_t M, int64_t N, int64_t K, int num_threads) {
   if (!takes(qtype, K)) return 0;
   quant_linear(x, w, qtype, bias, out, out_stride, M, N, K, num_threads);
@@ -151,6 +143,12 @@ int nanoserve_quant_linear_bf16(const uint16_t* x, const uint8_t* w, int qtype, 
                                 int64_t out_stride, int64_t M, int64_t N, int64_t K, int num_threads) {
   return checked_quant_linear(x, w, qtype, bias, out, out_stride, M, N, K, num_threads);
 }
+// The same products with the fp32 sums written as they are (no rounding to bf16): the LM head.
+int nanoserve_quant_linear_bf16_out_f32(const uint16_t* x, const uint8_t* w, int qtype, const uint16_t* bias,
+                                        float* out, int64_t out_stride, int64_t M, int64_t N, int64_t K,
+                                        int num_threads) {
+  return checked_quant_linear(x, w, qtype, bias, out, out_stride, M, N, K, num_threads);
+}
 
 // out[i] = W[rows[i]] dequantized (rows null: W[i]), i < n, for W [num_rows, K] in GGUF type qtype.
 // Returns 1; 0 for a type or K it does not take; -1 for a row index outside [0, num_rows). Nothing
@@ -167,15 +165,5 @@ int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows
 // Which dot product the quantized products use: 3 AVX512-VNNI, 2 AVX-VNNI (256-bit), 1 AVX2
 // (vpmaddubsw), 0 none (scalar, fp32).
 int nanoserve_quant_isa() { return kIsa; }
-
-// From how many rows of bf16 x the products multiply W dequantized in AMX tiles (any number from
-// there on); 0 where they never do (no AMX in this build, or the OS refuses its tile state).
-int nanoserve_quant_amx_rows() {
-#if defined(NANOSERVE_QUANT_AMX)
-  return amx_permitted() ? static_cast<int>(kAmxRows) : 0;
-#else
-  return 0;
-#endif
-}
 
 }  // extern "C"

@@ -1,7 +1,7 @@
-// GGUF's block formats (q8_0, q4_0, q4_k, q5_k, q6_k) as the quantized products read them: the
-// block layouts, the unpacking of a group of blocks into unsigned bytes and lane scales for the
+// GGUF's block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; q4_k, q5_k, q6_k, iq4_xs, q3_k, q2_k) as
+// the quantized products read them: the block layouts, the unpacking of a group of blocks into unsigned bytes and lane scales for the
 // dot products (Group<Q>), and the dequantization of whole rows (dequantize_row, for
-// dequantize_rows and the AMX tiles).
+// dequantize_rows).
 //
 // Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
 // quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that
@@ -10,9 +10,12 @@
 // W layout: [N rows, row_bytes] row-major, each row its blocks side by side, byte for byte as a
 // GGUF tensor (nanoserve/model/block_quant.py spells the block layouts out). Every weight value is
 // scale * (u - offset) - min with u a small unsigned integer: q8_0 u = q + 128 (offset 128), q4_0 a
-// nibble (offset 8), q6_k six bits (offset 32), q4_k / q5_k four or five bits (offset 0, a min per
-// 32 values); the scale is per 32 values (q6_k: per 16). On plain AVX2 (kSignTrick) q8_0's u is q
-// itself, offset 0 (quant_dot.h).
+// nibble (offset 8), q5_0 five bits (offset 16), q6_k six bits (offset 32), q3_k three bits (offset
+// 4), q4_k / q5_k four or five bits (offset 0, a min per 32 values), q2_k two bits (offset 0, a min
+// per 16 values), q4_1 / q5_1 four or five bits (offset 0, the block's min m added: min = -m),
+// iq4_nl / iq4_xs the nibble's entry of the non-linear table kIq4Values plus 128 (offset 128); the
+// scale is per 32 values (q6_k, q3_k, q2_k: per 16). On plain AVX2 (kSignTrick) q8_0's, iq4_nl's and
+// iq4_xs's u are the signed values themselves, offset 0 (quant_dot.h).
 //
 // Invariants: every dequantization here gives each value as ggml computes it, (d * scale) * q -
 // dmin * min, so the SIMD rows (dequantize_row) and the scalar blocks (dequantize_block) give the
@@ -30,7 +33,10 @@
 namespace {
 
 // GGUF's tensor type ids (GGMLQuantizationType).
-constexpr int kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+              kIQ4_NL = 20, kIQ4_XS = 23;
+// iq4_nl's and iq4_xs's 16 values, indexed by a nibble (ggml's kvalues_iq4nl).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr int64_t kChunk = 32;  // values per chunk: per activation block and per lane-scale group of W
 
 struct BlockLayout {
@@ -42,6 +48,13 @@ constexpr BlockLayout layout(int qtype) {
   switch (qtype) {
     case kQ8_0: return {32, 34};
     case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kIQ4_NL: return {32, 18};
+    case kIQ4_XS: return {256, 136};
+    case kQ3_K: return {256, 110};
+    case kQ2_K: return {256, 84};
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
@@ -86,9 +99,90 @@ inline void k_scales(const uint8_t* p, uint64_t* scales, uint64_t* mins) {
   *mins = mins_lo | static_cast<uint64_t>(mins_hi) << 32;
 }
 
+// iq4_xs's eight 6-bit sub-block scales (value ls - 32, signed) at block p: the low nibbles in bytes
+// 4-7 (sub-block 2i low, 2i + 1 high nibble of byte 4 + i), the top two bits in the uint16 at 2.
+inline void iq4_xs_scales(const uint8_t* p, int8_t* ls) {
+  const unsigned high = p[2] | static_cast<unsigned>(p[3]) << 8;
+  for (int c = 0; c < 8; ++c)
+    ls[c] = static_cast<int8_t>((((p[4 + c / 2] >> (4 * (c % 2))) & 0xf) | (((high >> (2 * c)) & 3) << 4)) - 32);
+}
+
+// q3_k's sixteen 6-bit scales (value sc - 32, signed) at its 12 scale bytes p: scale i takes its low
+// nibble from byte i % 8 (low nibble for i < 8, high for i >= 8) and its top two bits from bits
+// 2 (i / 4), 2 (i / 4) + 1 of byte 8 + i % 4. Done on 64-bit words, eight bytes at once; sc - 32 of
+// a 6-bit sc is sc with bit 5 flipped, then sign-extended from bit 5.
+inline void q3_k_scales(const uint8_t* p, int8_t* sc) {
+  uint64_t nibbles;
+  uint32_t top;
+  std::memcpy(&nibbles, p, sizeof nibbles);
+  std::memcpy(&top, p + 8, sizeof top);
+  const uint64_t two = 0x0303030303030303ull, flip = 0x2020202020202020ull;
+  const auto bits = [&](int shift) { return static_cast<uint64_t>((top >> shift) & two) << 4; };  // 4 bytes
+  uint64_t words[2] = {(nibbles & 0x0f0f0f0f0f0f0f0full) | bits(0) | bits(2) << 32,
+                       ((nibbles >> 4) & 0x0f0f0f0f0f0f0f0full) | bits(4) | bits(6) << 32};
+  for (uint64_t& w : words) {
+    w ^= flip;
+    const uint64_t sign = w & flip;
+    w |= sign << 1 | sign << 2;
+  }
+  std::memcpy(sc, words, sizeof words);
+}
+
 // One block at p as floats y[0 .. values): each value as ggml computes it, (d * scale) * q - dmin * min.
 void dequantize_block(int qtype, const uint8_t* p, float* y) {
   switch (qtype) {
+    case kQ4_1:
+    case kQ5_0:
+    case kQ5_1:
+    case kIQ4_NL: {  // d, then (q4_1, q5_1) the min m, (q5_0, q5_1) 32 fifth bits, then 16 bytes of nibbles
+      const bool five = qtype == kQ5_0 || qtype == kQ5_1, with_min = qtype == kQ4_1 || qtype == kQ5_1;
+      const float d = fp16(p), m = with_min ? fp16(p + 2) : 0.0f;
+      const uint8_t* qs = p + 2 + (with_min ? 2 : 0) + (five ? 4 : 0);
+      uint32_t qh = 0;
+      if (five) std::memcpy(&qh, p + (with_min ? 4 : 2), sizeof qh);
+      for (int i = 0; i < 32; ++i) {
+        int q = i < 16 ? qs[i] & 0xf : qs[i - 16] >> 4;
+        if (five) q |= static_cast<int>((qh >> i) & 1) << 4;
+        if (qtype == kIQ4_NL) {
+          y[i] = d * static_cast<float>(kIq4Values[q]);
+        } else {
+          y[i] = d * static_cast<float>(qtype == kQ5_0 ? q - 16 : q);
+          if (with_min) y[i] += m;
+        }
+      }
+      break;
+    }
+    case kIQ4_XS: {
+      const float d = fp16(p);
+      int8_t ls[8];
+      iq4_xs_scales(p, ls);
+      for (int c = 0; c < 8; ++c) {
+        const float dl = d * static_cast<float>(ls[c]);
+        const uint8_t* qs = p + 8 + 16 * c;
+        for (int i = 0; i < 32; ++i) y[32 * c + i] = dl * static_cast<float>(kIq4Values[i < 16 ? qs[i] & 0xf : qs[i - 16] >> 4]);
+      }
+      break;
+    }
+    case kQ3_K: {  // value 32c + l: two bits of qs[32 (c / 4) + l] at 2 (c % 4), bit c of hmask[l] clear: minus 4
+      const float d = fp16(p + 108);
+      int8_t sc[16];
+      q3_k_scales(p + 96, sc);
+      for (int c = 0; c < 8; ++c)
+        for (int l = 0; l < 32; ++l) {
+          const int q = ((p[32 + 32 * (c / 4) + l] >> (2 * (c % 4))) & 3) | (((p[l] >> c) & 1) << 2);
+          y[32 * c + l] = d * static_cast<float>(sc[2 * c + l / 16]) * static_cast<float>(q - 4);
+        }
+      break;
+    }
+    case kQ2_K: {  // value 32c + l: two bits of qs[32 (c / 4) + l] at 2 (c % 4); scale and min per 16 values
+      const float d = fp16(p + 80), dmin = fp16(p + 82);
+      for (int c = 0; c < 8; ++c)
+        for (int l = 0; l < 32; ++l) {
+          const int q = (p[16 + 32 * (c / 4) + l] >> (2 * (c % 4))) & 3, sc = p[2 * c + l / 16];
+          y[32 * c + l] = d * static_cast<float>(sc & 0xf) * static_cast<float>(q) - dmin * static_cast<float>(sc >> 4);
+        }
+      break;
+    }
     case kQ8_0: {
       const float d = fp16(p);
       for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(p[2 + i]));
@@ -156,27 +250,68 @@ inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_e
 inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
 inline __m256 lanes_of(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
 
-// The offset each format's u carries (folded into the activation rows) and whether it has mins.
+// Whether a format's values are signed bytes looked up or stored as they are (its u on plain AVX2,
+// kSignTrick, where u + 128 would saturate vpmaddubsw), the offset each format's u carries (folded
+// into the activation rows), whether it has a min per chunk (has_mins: the k-quants' mins, times the
+// activation's chunk sums) or per block of 32 or 16 values (has_lane_mins: what the group adds to
+// each value, q4_1's and q5_1's m, q2_k's -dmin * min, in the lanes of its values (mv, pair_mins),
+// times the activation's lane sums).
+constexpr bool signed_values(int qtype) { return qtype == kQ8_0 || qtype == kIQ4_NL || qtype == kIQ4_XS; }
 constexpr int offset_of(int qtype) {
-  return qtype == kQ8_0 ? (kSignTrick ? 0 : 128) : qtype == kQ4_0 ? 8 : qtype == kQ6_K ? 32 : 0;
+  return signed_values(qtype) ? (kSignTrick ? 0 : 128)
+         : qtype == kQ4_0     ? 8
+         : qtype == kQ5_0     ? 16
+         : qtype == kQ6_K     ? 32
+         : qtype == kQ3_K     ? 4
+                              : 0;
 }
 constexpr bool has_mins(int qtype) { return qtype == kQ4_K || qtype == kQ5_K; }
+constexpr bool has_lane_mins(int qtype) { return qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ2_K; }
+
+// The 32 bits of `bits` as bytes: byte i is 0x10 where bit i is set, else 0 (q5_0's and q5_1's fifth
+// bits in place). Each byte takes the byte of `bits` that holds its bit, then tests its bit there.
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// kIq4Values as u (plus 128 unless kSignTrick), in both 128-bit lanes, for vpshufb's lookup by nibble.
+inline __m256i iq4_table() {
+  constexpr auto u = [](int i) { return static_cast<char>(kIq4Values[i] + (kSignTrick ? 0 : 128)); };
+  return _mm256_broadcastsi128_si256(_mm_setr_epi8(u(0), u(1), u(2), u(3), u(4), u(5), u(6), u(7), u(8), u(9), u(10),
+                                                   u(11), u(12), u(13), u(14), u(15)));
+}
+
+// The 32 values of 16 bytes of nibbles at p, as bytes: values 0-15 the low nibbles, 16-31 the high.
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
 
 // One group of W's blocks (one block: 32 or 256 values, `values`), decoded for the dot products:
 // u(c) chunk c's 32 unsigned bytes, s(c) its 8 lane scales (one per 4 values); uv(v), sv(v) the
-// same for vector v of the path (two chunks with NANOSERVE_QUANT_ZMM), except that q8_0 and q4_0
-// there pair two groups in a vector (u(0) of each, pair_scales); q4_k / q5_k also give their mins
-// (min_lanes, place_sums). Built from the block's address once per group, then read per vector.
+// same for vector v of the path (two chunks with NANOSERVE_QUANT_ZMM), except that the 32-value
+// formats there pair two groups in a vector (u(0) of each, pair_scales); q4_k / q5_k also give their
+// mins (min_lanes, place_sums), q4_1 / q5_1 / q2_k theirs lane by lane (mv, pair_mins). Built from
+// the block's address once per group, then read per vector.
 //
-// The template itself is q8_0's and q4_0's group, one 32-value block: its fp16 scale, then its
-// quants, q8_0 32 signed bytes, q4_0 16 bytes of nibbles (values 0-15 the low nibbles, 16-31 the
-// high ones); only u's unpacking differs. The k-quants specialise it below. (One template, not a
-// base shared by two specialisations: no layer of inherited constructors between dot_block and
-// these members, so the compiler inlines and allocates registers as for a plain struct.)
+// The template itself is the group of the 32-value formats, one block: its fp16 scale d, then
+// (q4_1, q5_1) the fp16 min m, (q5_0, q5_1) 32 fifth bits (bit i tops value i), then the quants:
+// q8_0 32 signed bytes, the others 16 bytes of nibbles (values 0-15 the low nibbles, 16-31 the high
+// ones; iq4_nl's nibbles index kIq4Values); only u's unpacking differs. The k-quants specialise it
+// below. (One template, not a base shared by two specialisations: no layer of inherited
+// constructors between dot_block and these members, so the compiler inlines and allocates
+// registers as for a plain struct.)
 template <int Q>
 struct Group {
-  static_assert(Q == kQ8_0 || Q == kQ4_0, "the k-quants have their own Group");
+  static_assert(layout(Q).values == 32, "the 256-value formats have their own Group");
   static constexpr int64_t values = 32;
+  static constexpr bool five = Q == kQ5_0 || Q == kQ5_1;
+  static constexpr int64_t qs_at = 2 + (has_lane_mins(Q) ? 2 : 0) + (five ? 4 : 0);
   const uint8_t* p;
   __m256 scale;
   Group() = default;
@@ -186,12 +321,21 @@ struct Group {
       const __m256i q = load32(p + 2);
       return kSignTrick ? q : _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
     } else {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
-      const __m128i mask = _mm_set1_epi8(0x0f);
-      return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+      const __m256i n = nibbles16(p + qs_at);
+      if constexpr (Q == kIQ4_NL) return _mm256_shuffle_epi8(iq4_table(), n);
+      if constexpr (five) {
+        uint32_t qh;
+        std::memcpy(&qh, p + qs_at - 4, sizeof qh);
+        return _mm256_or_si256(n, fifth_bits(qh));
+      }
+      return n;
     }
   }
+  // (q4_1, q5_1) what the block adds to each value, m, in the lanes of its chunk (mv, pair_mins).
+  __m256 min8() const { return _mm256_set1_ps(fp16(p + 2)); }
 #if defined(NANOSERVE_QUANT_ZMM)
+  // m of the block at a in lanes 0-7, of the block at b (null: 0) in lanes 8-15 (as pair_scales).
+  static FV pair_mins(const uint8_t* a, const uint8_t* b) { return pair_scales(a + 2, b != nullptr ? b + 2 : nullptr); }
   // A vector is two blocks, this one at a and the next at b (null: none): d of the block at a in
   // lanes 0-7, of the block at b (null: 0) in lanes 8-15; one conversion for both.
   static FV pair_scales(const uint8_t* a, const uint8_t* b) {
@@ -205,6 +349,7 @@ struct Group {
 #else  // a vector is this one block
   IV uv(int) const { return u(0); }
   FV sv(int) const { return scale; }
+  FV mv(int) const { return min8(); }
 #endif
 };
 
@@ -362,19 +507,196 @@ struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0
 #endif
 };
 
+// iq4_xs: eight sub-blocks of 32 values, chunk c the 16 bytes of nibbles at 8 + 16c (indexing
+// kIq4Values, laid out as in the 32-value formats), scaled by d * ls[c] (iq4_xs_scales): scale8.
+template <>
+struct Group<kIQ4_XS> {
+  static constexpr int64_t values = 256;
+  const uint8_t* p;
+  __m256 scale8;
+  Group() = default;
+  explicit Group(const uint8_t* block) : p(block) {
+    int8_t ls[8];
+    iq4_xs_scales(block, ls);
+    int64_t packed;
+    std::memcpy(&packed, ls, sizeof packed);
+    scale8 = _mm256_mul_ps(_mm256_set1_ps(fp16(block)),
+                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(packed))));
+  }
+  __m256i u(int c) const { return _mm256_shuffle_epi8(iq4_table(), nibbles16(p + 8 + 16 * c)); }
+  __m256 s(int c) const { return lanes_of(scale8, c); }
+#if defined(NANOSERVE_QUANT_ZMM)
+  IV uv(int v) const {  // chunks 2v, 2v + 1: the nibbles of bytes 0-15, then of bytes 16-31, at 8 + 32v
+    const __m256i q = load32(p + 8 + 32 * v);
+    // [low 0-15, low 16-31, high 0-15, high 16-31] in 128-bit lanes, reordered to lanes 0, 2, 1, 3.
+    const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles(q)), high_nibbles(q), 1);
+    const __m512i n = _mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())), n);
+  }
+  FV sv(int v) const {
+    const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * v)),
+                                             _mm256_set1_epi32(2 * v + 1), 1);
+    return _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(scale8));
+  }
+#else
+  IV uv(int v) const { return u(v); }
+  FV sv(int v) const { return s(v); }
+#endif
+};
+
+// Sixteen values of a 256-value group, one per 16 of its values (q3_k's and q2_k's scales, q2_k's
+// mins), as fp32 d * v[i]: in(c) those of chunk c in its lanes (lanes 0-3 value 2c, lanes 4-7 value
+// 2c + 1), inv(v) those of vector v of the path, laid out as q6_k's scales.
+struct Sixteen {
+#if defined(NANOSERVE_QUANT_ZMM)
+  __m512 all;
+  Sixteen() = default;
+  Sixteen(float d, __m512i v) : all(_mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(v))) {}
+  __m256 half(int h) const { return h == 0 ? _mm512_castps512_ps256(all) : _mm512_extractf32x8_ps(all, 1); }
+#else
+  __m256 halves[2];
+  Sixteen() = default;
+  Sixteen(float d, __m256i lo, __m256i hi)
+      : halves{_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lo)),
+               _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(hi))} {}
+  __m256 half(int h) const { return halves[h]; }
+#endif
+  __m256 in(int c) const {
+    const int i = 2 * (c % 4);
+    return _mm256_permutevar8x32_ps(half(c / 4), _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
+  }
+#if defined(NANOSERVE_QUANT_ZMM)
+  FV inv(int v) const {  // lane l: value 4v + l / 4
+    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * v),
+                                           _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                               12, 13, 14, 15), 2));
+    return _mm512_permutexvar_ps(lanes, all);
+  }
+#else
+  FV inv(int v) const { return in(v); }
+#endif
+};
+
+// Sixteen of the int8 (signed) or uint8 bytes at p.
+template <bool signed_bytes>
+inline Sixteen sixteen(float d, const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+#if defined(NANOSERVE_QUANT_ZMM)
+  return Sixteen(d, signed_bytes ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#else
+  const __m128i hi = _mm_srli_si128(b, 8);
+  return signed_bytes ? Sixteen(d, _mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(hi))
+                      : Sixteen(d, _mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(hi));
+#endif
+}
+
+// The two bits at 2 (c % 4) of the 32 bytes at q + 32 (c / 4) (q3_k's and q2_k's low bits of chunk
+// c): a shift of the 16-bit lanes, then a mask (the bits wanted stay within their byte).
+inline __m256i two_bits(const uint8_t* q, int c) {
+  return _mm256_and_si256(_mm256_srl_epi16(load32(q + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))),
+                          _mm256_set1_epi8(3));
+}
+
+#if defined(NANOSERVE_QUANT_ZMM)
+// The 32 bytes at p in both halves, shifted right by `lo` (lower half) and `hi` (upper) per 16-bit
+// lane, masked by `mask`: two chunks' bits of the same bytes in one vector.
+inline __m512i shifted_pair(const uint8_t* p, int lo, int hi, char mask) {
+  const __m512i by = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(lo))),
+                                        _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(load32(p)), by), _mm512_set1_epi8(mask));
+}
+#endif
+
+// q3_k: value 32c + l has u = its two bits of qs[32 (c / 4) + l] (the 64 bytes at 32) at bit
+// 2 (c % 4), topped (bit 2) by bit c of hmask[l] (the 32 bytes at 0), offset 4; sixteen scales
+// d * sc[i] (q3_k_scales), one per 16 values.
+template <>
+struct Group<kQ3_K> {
+  static constexpr int64_t values = 256;
+  const uint8_t* p;
+  Sixteen scales;
+  Group() = default;
+  explicit Group(const uint8_t* block) : p(block) {
+    int8_t sc[16];
+    q3_k_scales(block + 96, sc);
+    scales = sixteen<true>(fp16(block + 108), reinterpret_cast<const uint8_t*>(sc));
+  }
+  __m256i u(int c) const {
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(c)), _mm256_set1_epi8(1));
+    return _mm256_or_si256(two_bits(p + 32, c), _mm256_slli_epi16(high, 2));
+  }
+  __m256 s(int c) const { return scales.in(c); }
+  FV sv(int v) const { return scales.inv(v); }
+#if defined(NANOSERVE_QUANT_ZMM)
+  IV uv(int v) const {  // chunks 2v, 2v + 1: the same 32 bytes of qs and of hmask, each shifted two ways
+    const __m512i low = shifted_pair(p + 32 + 32 * (v / 2), 4 * (v % 2), 4 * (v % 2) + 2, 3);
+    const __m512i high = shifted_pair(p, 2 * v, 2 * v + 1, 1);
+    return _mm512_or_si512(low, _mm512_slli_epi16(high, 2));
+  }
+#else
+  IV uv(int v) const { return u(v); }
+#endif
+};
+
+// q2_k: value 32c + l has u = its two bits of qs[32 (c / 4) + l] (the 64 bytes at 16) at bit
+// 2 (c % 4), offset 0; per 16 values i a scale d * (sc[i] & 15) and a min dmin * (sc[i] >> 4) (the
+// 16 bytes sc at 0, d at 80, dmin at 82); mv(v) what vector v's lanes add, -dmin * (sc[i] >> 4).
+template <>
+struct Group<kQ2_K> {
+  static constexpr int64_t values = 256;
+  const uint8_t* p;
+  Sixteen scales, mins;
+  Group() = default;
+  explicit Group(const uint8_t* block) : p(block) {
+    alignas(16) uint8_t sc[16], mn[16];
+    for (int i = 0; i < 16; ++i) {
+      sc[i] = block[i] & 0xf;
+      mn[i] = block[i] >> 4;
+    }
+    scales = sixteen<false>(fp16(block + 80), sc);
+    mins = sixteen<false>(-fp16(block + 82), mn);
+  }
+  __m256i u(int c) const { return two_bits(p + 16, c); }
+  __m256 s(int c) const { return scales.in(c); }
+  FV sv(int v) const { return scales.inv(v); }
+  FV mv(int v) const { return mins.inv(v); }
+#if defined(NANOSERVE_QUANT_ZMM)
+  IV uv(int v) const { return shifted_pair(p + 16 + 32 * (v / 2), 4 * (v % 2), 4 * (v % 2) + 2, 3); }
+#else
+  IV uv(int v) const { return u(v); }
+#endif
+};
+
 // Group Q's scales at block p as dequantize_block computes them: s[i] that of values 16i .. 16i + 15,
-// mins[c] (k-quants with mins) the min of chunk c.
+// mins[i] (formats with mins) the min of those values (-m for q4_1's and q5_1's added m).
 template <int Q>
 inline void group_scales(const uint8_t* p, float* s, float* mins) {
-  if constexpr (Q == kQ8_0 || Q == kQ4_0) {
+  if constexpr (layout(Q).values == 32) {
     s[0] = s[1] = fp16(p);
+    if constexpr (has_lane_mins(Q)) mins[0] = mins[1] = -fp16(p + 2);  // value d * q + m
+  } else if constexpr (Q == kIQ4_XS) {
+    const float d = fp16(p);
+    int8_t ls[8];
+    iq4_xs_scales(p, ls);
+    for (int c = 0; c < 8; ++c) s[2 * c] = s[2 * c + 1] = d * static_cast<float>(ls[c]);
+  } else if constexpr (Q == kQ3_K) {
+    const float d = fp16(p + 108);
+    int8_t sc[16];
+    q3_k_scales(p + 96, sc);
+    for (int i = 0; i < 16; ++i) s[i] = d * static_cast<float>(sc[i]);
+  } else if constexpr (Q == kQ2_K) {
+    const float d = fp16(p + 80), dmin = fp16(p + 82);
+    for (int i = 0; i < 16; ++i) {
+      s[i] = d * static_cast<float>(p[i] & 0xf);
+      mins[i] = dmin * static_cast<float>(p[i] >> 4);
+    }
   } else if constexpr (has_mins(Q)) {
     const float d = fp16(p), dmin = fp16(p + 2);
     uint64_t sc, mn;
     k_scales(p + 4, &sc, &mn);
     for (int c = 0; c < 8; ++c) {
       s[2 * c] = s[2 * c + 1] = d * static_cast<float>((sc >> (8 * c)) & 0xff);
-      mins[c] = dmin * static_cast<float>((mn >> (8 * c)) & 0xff);
+      mins[2 * c] = mins[2 * c + 1] = dmin * static_cast<float>((mn >> (8 * c)) & 0xff);
     }
   } else {  // q6_k: a scale per 16 values
     const float d = fp16(p + 208);
@@ -421,12 +743,13 @@ inline void store32(__m512 lo, __m512 hi, T* dst) {
 }
 #endif
 
-// A chunk of 32 bytes u as T at dst: s_lo, s_hi the scales of values 0-15 and 16-31.
+// A chunk of 32 bytes u as T at dst: s_lo, s_hi the scales of values 0-15 and 16-31, min_lo, min_hi
+// their mins.
 template <bool signed_u, bool with_min, typename T>
-inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, float min, T* dst) {
+inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, float min_lo, float min_hi, T* dst) {
 #if defined(NANOSERVE_QUANT_ZMM)
-  store32(values16<signed_u, with_min>(_mm256_castsi256_si128(u), offset, s_lo, min),
-          values16<signed_u, with_min>(_mm256_extracti128_si256(u, 1), offset, s_hi, min), dst);
+  store32(values16<signed_u, with_min>(_mm256_castsi256_si128(u), offset, s_lo, min_lo),
+          values16<signed_u, with_min>(_mm256_extracti128_si256(u, 1), offset, s_hi, min_hi), dst);
 #else
   for (int h = 0; h < 4; ++h) {
     const __m128i bytes = _mm_srli_si128(h < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1),
@@ -434,7 +757,7 @@ inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, floa
     const __m256i wide = signed_u ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
     __m256 v = _mm256_mul_ps(_mm256_set1_ps(h < 2 ? s_lo : s_hi),
                              _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, _mm256_set1_epi32(offset))));
-    if constexpr (with_min) v = _mm256_sub_ps(v, _mm256_set1_ps(min));
+    if constexpr (with_min) v = _mm256_sub_ps(v, _mm256_set1_ps(h < 2 ? min_lo : min_hi));
     store8(v, dst + 8 * h);
   }
 #endif
@@ -442,23 +765,22 @@ inline void dequantize_chunk(__m256i u, int offset, float s_lo, float s_hi, floa
 
 // One row of W [K] as T, chunk by chunk through the groups' unsigned bytes (q8_0: its signed quants
 // as they are): value = s * (u - offset) - min, as dequantize_block computes it (so the same bits).
-// Chunk c (values 32c .. 32c + 31) goes to y + c * chunk_stride (32: a contiguous row).
 template <int Q, typename T>
-void dequantize_row(const uint8_t* src, int64_t K, T* y, int64_t chunk_stride = kChunk) {
+void dequantize_row(const uint8_t* src, int64_t K, T* y) {
   using G = Group<Q>;
   constexpr int64_t chunks = G::values / kChunk;
   for (int64_t gi = 0; gi < K / G::values; ++gi) {
     const uint8_t* p = src + gi * layout(Q).bytes;
-    float s[G::values / 16], mins[chunks] = {};
+    float s[G::values / 16], mins[G::values / 16] = {};
     group_scales<Q>(p, s, mins);
-    T* out = y + gi * chunks * chunk_stride;
+    T* out = y + gi * G::values;
     if constexpr (Q == kQ8_0) {
-      dequantize_chunk<true, false>(load32(p + 2), 0, s[0], s[1], 0.0f, out);
+      dequantize_chunk<true, false>(load32(p + 2), 0, s[0], s[1], 0.0f, 0.0f, out);
     } else {
       const G g(p);
       for (int c = 0; c < chunks; ++c)
-        dequantize_chunk<false, has_mins(Q)>(g.u(c), offset_of(Q), s[2 * c], s[2 * c + 1], mins[c],
-                                             out + c * chunk_stride);
+        dequantize_chunk<kSignTrick && signed_values(Q), has_mins(Q) || has_lane_mins(Q)>(
+            g.u(c), offset_of(Q), s[2 * c], s[2 * c + 1], mins[2 * c], mins[2 * c + 1], out + c * kChunk);
     }
   }
 }
@@ -468,6 +790,13 @@ inline void dequantize_row_any(int qtype, const uint8_t* src, int64_t K, T* y) {
   switch (qtype) {
     case kQ8_0: dequantize_row<kQ8_0>(src, K, y); break;
     case kQ4_0: dequantize_row<kQ4_0>(src, K, y); break;
+    case kQ4_1: dequantize_row<kQ4_1>(src, K, y); break;
+    case kQ5_0: dequantize_row<kQ5_0>(src, K, y); break;
+    case kQ5_1: dequantize_row<kQ5_1>(src, K, y); break;
+    case kIQ4_NL: dequantize_row<kIQ4_NL>(src, K, y); break;
+    case kIQ4_XS: dequantize_row<kIQ4_XS>(src, K, y); break;
+    case kQ3_K: dequantize_row<kQ3_K>(src, K, y); break;
+    case kQ2_K: dequantize_row<kQ2_K>(src, K, y); break;
     case kQ4_K: dequantize_row<kQ4_K>(src, K, y); break;
     case kQ5_K: dequantize_row<kQ5_K>(src, K, y); break;
     case kQ6_K: dequantize_row<kQ6_K>(src, K, y); break;

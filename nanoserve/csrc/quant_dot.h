@@ -14,17 +14,19 @@
 // int32 sum goes through one fp32 multiply-add with its (W scale * x scale) anyway, so blocks of 32
 // cost nothing more and keep the activations more precise. Per activation row we keep: qx (int8),
 // the scale of each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product
-// instruction starts from it, so the offset costs no instruction) and dx * sum(qx) per chunk (for
-// the mins).
+// instruction starts from it, so the offset costs no instruction), dx * sum(qx) per chunk (for the
+// k-quants' mins) and dx * the lane's sum of qx (for q4_1's, q5_1's and q2_k's mins, one fma per
+// vector).
 //
 // The dot products: with AVX512-VNNI, vpdpbusd multiplies 64 unsigned bytes of W by 64 signed
 // bytes of x and adds each group of four into 16 int32 lanes (two chunks per instruction); with
 // AVX-VNNI its 256-bit form (one chunk); on plain AVX2, vpmaddubsw (u8 x s8 -> pairs summed to
 // int16) then vpmaddwd by ones (-> int32). vpmaddubsw saturates at 2^15 - 1, which u <= 63 never
-// reaches but q8_0's u = q + 128 would, so q8_0 on plain AVX2 takes the form llama.cpp uses:
-// |qx| against q * sign(qx), no offset (this needs q8_0 quants in [-127, 127], as ggml's quantizers
-// write them; -128 would flip wrongly). Each lane's int32 is converted to fp32 and multiplied by
-// its two scales into an fp32 accumulator per (row of W, row of x).
+// reaches but q8_0's u = q + 128 would (and iq4's table + 128), so q8_0, iq4_nl and iq4_xs on plain
+// AVX2 take the form llama.cpp uses: |qx| against q * sign(qx), no offset (this needs values in
+// [-127, 127], as ggml's quantizers write q8_0 and as kIq4Values are; -128 would flip wrongly).
+// Each lane's int32 is converted to fp32 and multiplied by its two scales into an fp32 accumulator
+// per (row of W, row of x).
 //
 // Structure: in a range of columns, W's rows in groups of NW (four for one row of x, two for more)
 // against the rows of x in groups of up to eight (kRowsX); each group of W's blocks is unpacked
@@ -34,7 +36,10 @@
 // (q8_0_dot4), which shares the per-block work among four rows.
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
-// a step past K multiplies zeros; each output is reduced, biased and rounded to T once, at the end.
+// a step past K multiplies zeros; each output is reduced, biased and rounded to the output type once,
+// at the end. Each output's operations depend on its row of x and its row of W only, not on NW, MX,
+// M or the row's place (one accumulator per (row of W, row of x), the same lanes and order;
+// q8_0_dot4 makes dot_block<kQ8_0>'s operations in another loop): batch invariance.
 
 #pragma once
 
@@ -60,6 +65,7 @@ struct Activations {
   std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
   std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
   std::vector<float> sums;    // [M, Kp / 32]: dx * the chunk's sum of qx
+  std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
 };
 
 template <typename T>
@@ -69,6 +75,7 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
   a.scale.assign(M * Kp / 4, 0.0f);
   a.base.assign(M * Kp / 4, 0);
   a.sums.assign(M * Kp / kChunk, 0.0f);
+  a.lane_sums.assign(M * Kp / 4, 0.0f);
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K / kChunk; ++c) {
@@ -92,6 +99,7 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
       // Each 4-value lane's sum of qx: bytes times one, pairs summed to int16, then to int32.
       const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
       _mm256_storeu_ps(a.scale.data() + at / 4, _mm256_set1_ps(d));
+      _mm256_storeu_ps(a.lane_sums.data() + at / 4, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
                           _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset)));
       __m128i total = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
@@ -138,15 +146,17 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
 #pragma GCC unroll 8
     for (int64_t v = 0; v < per_step / kVecValues; ++v) {
       IV u[NW];
-      FV s[NW];
+      FV s[NW], mins[NW];  // mins: has_lane_mins only
       for (int j = 0; j < NW; ++j) {
         if constexpr (groups_per_step == 1) {
           u[j] = ga[j].uv(static_cast<int>(v));
           s[j] = ga[j].sv(static_cast<int>(v));
+          if constexpr (has_lane_mins(Q)) mins[j] = ga[j].mv(static_cast<int>(v));
         } else {  // two one-chunk groups in one vector
           const uint8_t* row = w + j * row_bytes + g0 * bytes;
           u[j] = join(ga[j].u(0), pair ? gb[j].u(0) : _mm256_setzero_si256());
           s[j] = G::pair_scales(row, pair ? row + bytes : nullptr);
+          if constexpr (has_lane_mins(Q)) mins[j] = G::pair_mins(row, pair ? row + bytes : nullptr);
         }
       }
       const int64_t at = k + v * kVecValues;
@@ -156,8 +166,12 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
         const FV xs = load_f(a.scale.data() + row / 4);
         const IV base = load_i(a.base.data() + row / 4);
         for (int j = 0; j < NW; ++j) {
-          const IV dp = kSignTrick && Q == kQ8_0 ? dot4(base, abs8(xq), sign_mul(u[j], xq)) : dot4(base, u[j], xq);
+          const IV dp = kSignTrick && signed_values(Q) ? dot4(base, abs8(xq), sign_mul(u[j], xq)) : dot4(base, u[j], xq);
           acc[j][m] = fma(to_fp32(dp), mul(s[j], xs), acc[j][m]);
+        }
+        if constexpr (has_lane_mins(Q)) {  // + what W's lanes add * dx * sum(qx), lane by lane
+          const FV sums = load_f(a.lane_sums.data() + row / 4);
+          for (int j = 0; j < NW; ++j) acc[j][m] = fma(mins[j], sums, acc[j][m]);
         }
       }
     }
@@ -172,8 +186,8 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
 }
 
 // Output columns [n0, n0 + NW) for all M rows, up to kRowsX rows of x at a time.
-template <int Q, int NW, typename T>
-void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out, int64_t out_stride,
+template <int Q, int NW, typename T, typename O>
+void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out, int64_t out_stride,
              int64_t M, int64_t K, int64_t n0) {
   float res[kRowsX][4] = {};  // (initialised only to quiet -Wmaybe-uninitialized)
   const uint8_t* w0 = w + n0 * row_bytes;
@@ -253,8 +267,8 @@ void q8_0_dot4(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
 
 // Output columns [begin, end) for all M rows of x, in out's row m at out + m * out_stride: at one row
 // of x four columns at a time (q8_0_dot4 for q8_0 where it exists), then pairs, then one.
-template <int Q, typename T>
-void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, T* out,
+template <int Q, typename T, typename O>
+void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
   if (M == 1) {

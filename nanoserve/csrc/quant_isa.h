@@ -8,8 +8,7 @@
 //
 // The paths (kIsa, which nanoserve_quant_isa reports):
 //   3  AVX512-VNNI with BW and DQ: 512-bit vectors (IV, FV) of two 32-value chunks, vpdpbusd;
-//      NANOSERVE_QUANT_ZMM is defined (the k-quant groups unpack two chunks at once), and with AMX
-//      (BF16 and TILE, Linux) NANOSERVE_QUANT_AMX too (quant_amx.h).
+//      NANOSERVE_QUANT_ZMM is defined (the k-quant groups unpack two chunks at once).
 //   2  AVX-VNNI, or AVX512-VNNI with VL only: 256-bit vectors of one chunk, vpdpbusd's 256-bit form.
 //   1  plain AVX2: 256-bit vectors, vpmaddubsw + vpmaddwd; kSignTrick (q8_0 takes llama.cpp's sign
 //      form: its u = q + 128 would saturate vpmaddubsw).
@@ -36,9 +35,6 @@ using namespace nanoserve;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define NANOSERVE_QUANT_ZMM 1  // the k-quant groups unpack two chunks at once (uv, sv)
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
-#define NANOSERVE_QUANT_AMX 1  // products of many rows of x in AMX tiles
-#endif
 constexpr int kIsa = 3;
 constexpr bool kSignTrick = false;
 typedef __m512i IV;  // 64 bytes: two chunks

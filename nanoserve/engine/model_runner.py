@@ -75,7 +75,7 @@ class ModelRunner:
                                      kv_shape.head_dim), model.dtype, device)
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None  # set by `use_decode_graphs`
-        # Steps whose products all run in C++ anyway go through the decoder in one native call.
+        # On the CPU path every step of a model NativeDecoder takes goes through it in one native call.
         self.native = NativeDecoder.build(model, self.backend) if isinstance(model, CausalLM) else None
         self.grammars: GrammarCompiler | None = None
         self._mask_worker: ThreadPoolExecutor | None = None  # created with the first constrained step
@@ -92,7 +92,7 @@ class ModelRunner:
         batch = prepare_batch(plan, self.block_size, self.device)
         if not batch.pooled and self.decode_graphs is not None and self.decode_graphs.fits(batch):
             return self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta), batch, ()
-        if self.native is not None and self.native.fits(batch.num_tokens):
+        if self.native is not None:
             hidden = self.native(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.backend)
@@ -105,7 +105,7 @@ class ModelRunner:
         native call (`NativeDecoder.draft_greedy`: the step, then a pass per further draft, up to
         `budgets[seq]` drafts, stopping after one given less than `min_confidence`); None when the
         native decoder does not take the step, and the caller drafts pass by pass."""
-        if self.native is None or not self.native.fits(plan.num_tokens):
+        if self.native is None:
             return None
         batch = prepare_batch(plan, self.block_size, self.device)
         drafts = self.native.draft_greedy(batch.input_ids, batch.positions, self.kv_cache, batch.meta,

@@ -259,8 +259,9 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [n, vocab] for the given rows of hidden states (`scale_logits`)."""
-        return self.scale_logits(self.ops.linear(hidden, self.head).float())
+        """fp32 logits [n, vocab] for the given rows of hidden states (`LayerOps.logits`, divided by
+        `cfg.logits_scaling`)."""
+        return self.scale_logits(self.ops.logits(hidden, self.head))
 
     @property
     def head(self) -> LinearWeight:

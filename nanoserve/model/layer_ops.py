@@ -5,9 +5,9 @@ GeGLU's gelu_tanh(gate) * up.
 `TorchLayerOps` is the reference: F.linear and the Hugging Face numerics of
 `nanoserve.model.layers`, on any device, capturable in CUDA graphs. `CpuLayerOps` runs the same
 steps through nanoserve's C++ (`nanoserve/csrc/`): each elementwise step one call where torch makes
-3-15 (most of an RMSNorm of one row in torch is the Python around its seven calls), and the products
-of a few rows (fp32, and bf16 on CPUs with AVX512-BF16) or of any number (bf16 elsewhere) through
-`linear.cpp`, which reads each row of the weight once for all rows of x.
+3-15 (most of an RMSNorm of one row in torch is the Python around its seven calls), and every
+product through `linear.cpp` (dense weights) or `quant.cpp` (block-quantized ones), which read each
+row of the weight once for all rows of x.
 
 Invariants shared by both:
 - `rms_norm` with a residual adds x into the residual in place (residual += x, rounded to the
@@ -21,6 +21,13 @@ Invariants shared by both:
 - `qk_norm_rope` returns q [n, heads, head_dim] and k [n, kv_heads, head_dim]; they may be views of
   qkv (CpuLayerOps rotates in place, so qkv's q and k columns are overwritten) or new tensors.
   cos and sin of fewer than head_dim columns rotate only a head's first ones (partial rotary).
+- `logits` is `linear` with fp32 outputs: the LM head.
+
+`CpuLayerOps` is batch invariant: each row of every result (products, norms, rotary, the LM head's
+fp32 logits) is the same bits whatever the other rows of the call, their number or the row's place
+among them. The path of a product is chosen by the weight's format and x's dtype only, never by the
+number of rows (a BLAS GEMM, or a GEMM on dequantized tiles, sums in another order than the C++
+products, and would give a request's rows other values when more rows share its step).
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class LayerOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, x: torch.Tensor, head: LinearWeight) -> torch.Tensor: ...
 
 
 class TorchLayerOps:
@@ -94,6 +103,11 @@ class TorchLayerOps:
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_mul(gate_up)
 
+    def logits(self, x: torch.Tensor, head: LinearWeight) -> torch.Tensor:
+        """The product in x's dtype, then fp32 (torch's GEMM rounds a bf16 product's outputs to
+        bf16; widening the head instead would copy it at every step)."""
+        return self.linear(x, head).float()
+
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GeGLU's gelu(gate) * up with the tanh approximation of GELU (transformers' gelu_pytorch_tanh),
@@ -102,38 +116,18 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-# CpuLayerOps.linear's C++ product takes fp32 inputs of up to SMALL_M rows (MKL's GEMM is faster
-# beyond), and bf16 inputs of up to NATIVE_BF16_M rows where the library multiplies bf16 natively
-# (AVX512-BF16; torch's oneDNN GEMM then does too and overtakes it in a few dozen rows, but up to
-# NATIVE_BF16_M a step through NativeDecoder saves more than that) or of any number where it does
-# not (torch's bf16 GEMM is then emulated, slower at every size). docs/architecture.md ("Runner and
-# sampler") explains both cuts and points to the measurements behind them.
-SMALL_M = 16
-NATIVE_BF16_M = 32
-# Block-quantized weights take the same cuts (up to them quant.cpp's int8 products, beyond them
-# torch's GEMM on tiles of the weight dequantized to the model's dtype, each of this many bytes: a
-# tile stays in L2 while the GEMM reads it), except bf16 x on CPUs with AMX: quant.cpp multiplies any
-# number of rows there, in AMX tiles from `nanoserve_quant_amx_rows` rows on.
-TILE_BYTES = 1 << 20
-
-
 class CpuLayerOps:
     """The C++ steps. Invariant: only contiguous CPU tensors of one dtype in `DTYPES` reach the
     library (`qk_norm_rope` works in place on the q and k columns of a contiguous qkv; cos and sin are
     [n, head_dim] as `rope_cos_sin` makes them): anything else raises ValueError before a pointer is
-    passed, except in `linear`, which hands what it does not take to F.linear, and in `qk_norm_rope`,
-    which hands partial rotary (cos narrower than a head) to the torch reference."""
+    passed, except in `linear` and `logits`, which hand what they do not take to `TorchLayerOps`,
+    and in `qk_norm_rope`, which hands partial rotary (cos narrower than a head) to the torch
+    reference."""
 
     DTYPES = frozenset(DTYPE_SUFFIX)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        # The most rows of x each dtype's products take here (None: any); F.linear takes the rest.
-        self.max_rows: dict[torch.dtype, int | None] = {
-            torch.float32: SMALL_M, torch.bfloat16: NATIVE_BF16_M if lib.nanoserve_linear_bf16_native() else None}
-        # The same for products with block-quantized weights (the rest: dequantized tiles).
-        self.quant_max_rows: dict[torch.dtype, int | None] = {
-            **self.max_rows, **({torch.bfloat16: None} if lib.nanoserve_quant_amx_rows() else {})}
         self._linear = {dtype: getattr(lib, f"nanoserve_linear_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._norm = {dtype: getattr(lib, f"nanoserve_rms_norm_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._rope = {dtype: getattr(lib, f"nanoserve_qk_norm_rope_{s}") for dtype, s in DTYPE_SUFFIX.items()}
@@ -141,70 +135,57 @@ class CpuLayerOps:
         self._quant_linear = {dtype: getattr(lib, f"nanoserve_quant_linear_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._dequantize_rows = {dtype: getattr(lib, f"nanoserve_dequantize_rows_{s}")
                                  for dtype, s in DTYPE_SUFFIX.items()}
+        # The products with fp32 outputs, by x's dtype (fp32 x: the products above).
+        self._linear_f32 = {**self._linear, torch.bfloat16: lib.nanoserve_linear_bf16_out_f32}
+        self._quant_linear_f32 = {**self._quant_linear, torch.bfloat16: lib.nanoserve_quant_linear_bf16_out_f32}
 
     def linear(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """For a `DenseWeight`: the C++ product for 2-D contiguous x of one dtype with its weight and
-        bias, of at most `max_rows[dtype]` rows; F.linear otherwise. Block-quantized and stacked
-        weights: `_quantized_linear`. Other formats raise `UnsupportedWeightFormat`."""
-        if isinstance(w, BlockQuantWeight | StackedWeight):
-            return self._quantized_linear(x, w, bias)
-        if not isinstance(w, DenseWeight):
-            raise UnsupportedWeightFormat("CpuLayerOps", w.format)
-        weight = w.weight
-        limit = self.max_rows.get(x.dtype)
-        if (x.dim() != 2 or x.dtype not in self.DTYPES or weight.dtype != x.dtype
-                or (limit is not None and x.shape[0] > limit)
-                or not (x.is_contiguous() and weight.is_contiguous())
-                or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
-            return F.linear(x, weight, bias)
-        out = x.new_empty(x.shape[0], weight.shape[0])
-        self._linear[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                              out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
-        return out
+        """x w^T + bias in x's dtype: `_products` for 2-D contiguous x of a dtype in DTYPES with a
+        weight and bias of that dtype (any number of rows); `TorchLayerOps.linear` otherwise. Raises
+        `UnsupportedWeightFormat` for a format other than dense, block-quantized or stacked."""
+        return self._products(x, w, bias, x.dtype)
 
-    def _quantized_linear(self, x: torch.Tensor, w: BlockQuantWeight | StackedWeight,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-        """For 2-D contiguous x of a dtype in DTYPES (bias of that dtype): of at most
-        `quant_max_rows[dtype]` rows, quant.cpp's product on the blocks (int8 dot products, or AMX
-        tiles of W dequantized); of more, where
-        a dense weight would go to torch's GEMM, that GEMM on tiles of W dequantized by quant.cpp
-        (`TILE_BYTES` each; the GEMM then outruns the int8 products by more than the dequantizing
-        costs). Each part of a StackedWeight writes its columns of one output (a dense part through
-        `linear`). Other x take the reference (dequantize, then F.linear)."""
+    def logits(self, x: torch.Tensor, head: LinearWeight) -> torch.Tensor:
+        """fp32 x head^T: for bf16 x the C++ products' fp32 sums, not rounded to bf16 first."""
+        return self._products(x, head, None, torch.float32)
+
+    def _products(self, x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+        """The C++ products into a new [rows, out_features] tensor of `out_dtype` (x's dtype or fp32):
+        linear.cpp for a dense weight, quant.cpp (int8 products on the blocks) for a block-quantized
+        one, each part of a StackedWeight into its columns; the reference for what they do not take."""
+        if not isinstance(w, DenseWeight | BlockQuantWeight | StackedWeight):
+            raise UnsupportedWeightFormat("CpuLayerOps", w.format)
+        parts = w.parts if isinstance(w, StackedWeight) else [w]
         if (x.dim() != 2 or x.dtype not in self.DTYPES or not x.is_contiguous()
+                or any(isinstance(p, DenseWeight) and (p.weight.dtype != x.dtype or not p.weight.is_contiguous())
+                       for p in parts)
                 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
-            return TorchLayerOps().linear(x, w, bias)
-        limit = self.quant_max_rows.get(x.dtype)
-        tiled = limit is not None and x.shape[0] > limit
-        out = x.new_empty(x.shape[0], w.out_features)
+            return TorchLayerOps().linear(x, w, bias).to(out_dtype)
+        dense, quant = ((self._linear, self._quant_linear) if out_dtype == x.dtype
+                        else (self._linear_f32, self._quant_linear_f32))
+        out = torch.empty(x.shape[0], w.out_features, dtype=out_dtype)
+        rows, threads = x.shape[0], torch.get_num_threads()
         offset = 0
-        for part in w.parts if isinstance(w, StackedWeight) else [w]:
+        for part in parts:
             cols = slice(offset, offset + part.out_features)
-            part_bias = None if bias is None else bias[cols]
-            if isinstance(part, BlockQuantWeight) and tiled:
-                self._tiled_linear(x, part, part_bias, out[:, cols])
-            elif isinstance(part, BlockQuantWeight):
-                self._quant_linear[x.dtype](
-                    x.data_ptr(), part.blocks.data_ptr(), int(BLOCK_FORMATS[part.format].qtype),
-                    None if part_bias is None else part_bias.data_ptr(), out[:, cols].data_ptr(), out.shape[1],
-                    x.shape[0], part.out_features, part.in_features, torch.get_num_threads())
-            else:
-                out[:, cols] = self.linear(x, part, part_bias)
+            part_bias = None if bias is None else bias[cols].data_ptr()
+            if isinstance(part, BlockQuantWeight):
+                quant[x.dtype](x.data_ptr(), part.blocks.data_ptr(), int(BLOCK_FORMATS[part.format].qtype), part_bias,
+                               out[:, cols].data_ptr(), out.shape[1], rows, part.out_features, part.in_features,
+                               threads)
+            elif not isinstance(part, DenseWeight):
+                raise UnsupportedWeightFormat("CpuLayerOps", part.format)
+            elif len(parts) == 1:
+                dense[x.dtype](x.data_ptr(), part.weight.data_ptr(), part_bias, out.data_ptr(), rows,
+                               part.out_features, part.in_features, threads)
+            else:  # linear.cpp writes whole rows: a dense part's columns go through a buffer
+                columns = torch.empty(rows, part.out_features, dtype=out_dtype)
+                dense[x.dtype](x.data_ptr(), part.weight.data_ptr(), part_bias, columns.data_ptr(), rows,
+                               part.out_features, part.in_features, threads)
+                out[:, cols] = columns
             offset += part.out_features
         return out
-
-    def _tiled_linear(self, x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None,
-                      out: torch.Tensor) -> None:
-        """out (columns of a wider output) = x w^T + bias through F.linear on tiles of w's rows
-        dequantized to x's dtype."""
-        rows = max(1, TILE_BYTES // (w.in_features * x.element_size()))
-        tile = x.new_empty(min(rows, w.out_features), w.in_features)
-        qtype = int(BLOCK_FORMATS[w.format].qtype)
-        for lo in range(0, w.out_features, rows):
-            n = min(rows, w.out_features - lo)
-            self._dequantize_rows[x.dtype](w.blocks[lo].data_ptr(), qtype, n, w.in_features, None, n,
-                                           tile.data_ptr(), torch.get_num_threads())
-            out[:, lo:lo + n] = F.linear(x, tile[:n], None if bias is None else bias[lo:lo + n])
 
     def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
         """Rows of a block-quantized table dequantized by quant.cpp (ids out of range raise

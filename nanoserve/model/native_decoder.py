@@ -7,10 +7,8 @@ the arithmetic itself. `NativeDecoder` makes the same calls, in the same order a
 arguments and thread count, from C++: its hidden states are bit for bit those of `CausalLM.forward`
 with those backends.
 
-It takes a step when all of that step's products would go to `linear.cpp` anyway: steps of at most
-`CpuLayerOps.max_rows[dtype]` tokens (`SMALL_M` for fp32, `NATIVE_BF16_M` for bf16 on CPUs with
-AVX512-BF16, any number for bf16 elsewhere); beyond, `CpuLayerOps.linear` hands the products to torch's GEMM,
-which the C++ path does not reproduce. The model runner asks `fits` before each step.
+It takes every step, of any number of tokens: `CpuLayerOps` sends every product to `linear.cpp` or
+`quant.cpp` whatever the number of rows (batch invariance, see `nanoserve.model.layer_ops`).
 
 It reads matrices dense in the model's dtype (`DenseWeight`), block-quantized (`BlockQuantWeight`,
 by quant.cpp, as `CpuLayerOps.linear` multiplies them; a quantized embedding table's rows
@@ -57,7 +55,6 @@ class NativeDecoder:
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.attention_scale
-        self.max_rows = ops.max_rows[model.dtype]
         self.dims = torch.tensor([cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                   cfg.head_dim, cfg.intermediate_size, cfg.num_hidden_layers], dtype=torch.int64)
         self.layers = (LayerWeights * len(model.layers))()
@@ -102,10 +99,6 @@ class NativeDecoder:
         if not all(b.is_contiguous() and b.device.type == "cpu" for b in model.buffers()):
             return None
         return cls(model, ops)
-
-    def fits(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` tokens runs here (see the module docstring)."""
-        return self.max_rows is None or num_tokens <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

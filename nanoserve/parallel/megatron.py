@@ -81,6 +81,9 @@ class RowParallelOps:
     def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
         return self.inner.embed(ids, table)
 
+    def logits(self, x: torch.Tensor, head: LinearWeight) -> torch.Tensor:
+        return self.inner.logits(x, head)
+
 
 class TensorParallelCausalLM(CausalLM):
     """One rank's shard (see the module's docstring). `cfg` is the shard's (`shard_config`);
@@ -105,10 +108,10 @@ class TensorParallelCausalLM(CausalLM):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """On rank 0 the whole vocabulary's fp32 logits, gathered from the ranks' columns; on the
-        others (which sample nothing) their own columns, in the model's dtype."""
-        local = self.ops.linear(hidden, self.head)
+        others (which sample nothing) their own columns."""
+        local = self.ops.logits(hidden, self.head)
         gathered = self.group.gather(local)
-        return local if gathered is None else self.scale_logits(gathered[:, : self.vocab_size].float())
+        return local if gathered is None else self.scale_logits(gathered[:, : self.vocab_size])
 
 
 def _dense(w: LinearWeight, name: str) -> torch.Tensor:

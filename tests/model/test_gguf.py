@@ -167,16 +167,16 @@ def test_linear_rope_scaling_round_trip(exported, reference):
 
 
 def test_other_quant_types_dequantized_at_load(exported, tmp_path, caplog):
-    """Types nanoserve does not multiply in blocks (here Q5_0) go through gguf.quants with one log
-    line naming them. Each matrix comes back within Q5_0's error of the original (relative RMS
-    error measured <= 0.05; a wrong layout would give ~1.4)."""
+    """Types nanoserve does not multiply in blocks (here BF16) go through gguf.quants with one log
+    line naming them. Each matrix comes back within BF16's error of the original (relative RMS
+    error 2^-9 at most; a wrong layout would give ~1.4)."""
     src, path = exported("llama")
-    q5 = _rewrite(path, tmp_path / "q5_0.gguf", matrices_as=QType.Q5_0)
+    other = _rewrite(path, tmp_path / "bf16.gguf", matrices_as=QType.BF16)
     with caplog.at_level(logging.INFO, logger="nanoserve.model.checkpoint.gguf_reader"):
-        ckpt = read_gguf(q5)
+        ckpt = read_gguf(other)
     assert [r.message for r in caplog.records] == [
-        "q5_0.gguf: converting Q5_0 tensors to the model's dtype at load "
-        "(nanoserve multiplies Q8_0, Q4_0, Q4_K, Q5_K, Q6_K blocks)"
+        "bf16.gguf: converting BF16 tensors to the model's dtype at load "
+        "(nanoserve multiplies Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q2_K blocks)"
     ]
     assert ckpt.tensor_formats == {}
     original = load_file(src / "model.safetensors")

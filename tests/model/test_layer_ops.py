@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from nanoserve import native
 from nanoserve.model.config import RopeScaling
-from nanoserve.model.layer_ops import SMALL_M, CpuLayerOps, TorchLayerOps, select_layer_ops
+from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps, select_layer_ops
 from nanoserve.model.layers import rope_cos_sin, rope_inv_freq
 from nanoserve.model.quant.weight_formats import DenseWeight
 from nanoserve.native import CSRC, FLAGS, load_cpu_kernels
@@ -38,14 +38,6 @@ def ops() -> CpuLayerOps:
     lib = load_cpu_kernels()
     assert lib is not None, "g++ is installed, so the library must build"
     return CpuLayerOps(lib)
-
-
-@pytest.fixture(scope="module")
-def any_rows(ops) -> CpuLayerOps:
-    """The same library with every product of up to 1,000 rows through linear.cpp, in both dtypes."""
-    wide = CpuLayerOps(ops.lib)
-    wide.max_rows = dict.fromkeys(wide.max_rows, 1000)
-    return wide
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -71,24 +63,25 @@ def _check_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
 # n: tails of W's row groups; k: a scalar tail; 1100: one row of x takes W row by row (vdpbf16ps)
 @pytest.mark.parametrize("n,k", [(1, 8), (7, 100), (130, 256), (9, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear(ops, any_rows, m, n, k, bias):
+def test_linear(ops, m, n, k, bias):
     x, w = _randn(m, k, seed=20), _randn(n, k, seed=21)
     b = _randn(n, seed=22) if bias else None
-    # The kernel's at any size, whatever rows `ops.linear` leaves to torch's GEMM on this CPU.
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     tol = 1e-5 * max(1, k / 256)  # fp32 rounding of the sum grows with its length
-    torch.testing.assert_close(any_rows.linear(x, DenseWeight(w), b).double(), exact, atol=tol, rtol=tol)
+    torch.testing.assert_close(ops.linear(x, DenseWeight(w), b).double(), exact, atol=tol, rtol=tol)
     # bf16 in and out, fp32 accumulation: the exact product of the bf16 inputs, rounded once.
     xb, wb, bb = x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()
     exact = F.linear(xb.double(), wb.double(), None if bb is None else bb.double())
-    got = any_rows.linear(xb, DenseWeight(wb), bb)
+    got = ops.linear(xb, DenseWeight(wb), bb)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=2**-8)
 
 
 def test_the_widening_bf16_loop_too(ops, tmp_path):
     """Where the library multiplies bf16 natively (vdpbf16ps), the widening loop that other CPUs take
-    is built too (linear.cpp with -mno-avx512bf16) and checked as `test_linear` checks the other."""
+    is built too (linear.cpp with -mno-avx512bf16, for the compiler's default x86-64 target: no
+    AVX-512 registers) and checked as `test_linear` checks the other, and for batch invariance in
+    both dtypes."""
     if not ops.lib.nanoserve_linear_bf16_native():
         pytest.skip("this CPU's build is the widening loop, which test_linear checks")
     path = tmp_path / "widening.so"
@@ -96,26 +89,56 @@ def test_the_widening_bf16_loop_too(ops, tmp_path):
                    check=True, capture_output=True)
     lib = ctypes.CDLL(str(path))
     assert lib.nanoserve_linear_bf16_native() == 0
-    for m, n, k in [(1, 7, 100), (1, 5, 1100), (5, 130, 256), (130, 9, 64)]:
-        x, w = _randn(m, k, seed=30).bfloat16(), _randn(n, k, seed=31).bfloat16()
-        b = _randn(n, seed=32).bfloat16()
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        lib.nanoserve_linear_bf16(*(ctypes.c_void_p(t.data_ptr()) for t in (x, w, b, out)), ctypes.c_int64(m),
-                                  ctypes.c_int64(n), ctypes.c_int64(k), ctypes.c_int(1))
-        exact = F.linear(x.double(), w.double(), b.double())
-        torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=2**-8)
+
+    def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        m, n, k = x.shape[0], w.shape[0], x.shape[1]
+        out = torch.empty(m, n, dtype=x.dtype)
+        fn = lib.nanoserve_linear_bf16 if x.dtype == torch.bfloat16 else lib.nanoserve_linear_f32
+        fn(*(ctypes.c_void_p(t.data_ptr()) for t in (x, w, b, out)), ctypes.c_int64(m), ctypes.c_int64(n),
+           ctypes.c_int64(k), ctypes.c_int(2))
+        return out
+
+    for m, n, k in [(1, 7, 100), (1, 5, 1100), (5, 130, 256), (130, 9, 64), (70, 130, 1100)]:
+        x, w, b = _randn(m, k, seed=30), _randn(n, k, seed=31), _randn(n, seed=32)
+        got = product(x.bfloat16(), w.bfloat16(), b.bfloat16())
+        exact = F.linear(x.bfloat16().double(), w.bfloat16().double(), b.bfloat16().double())
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=2**-8)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd, wd, bd = x.to(dtype), w.to(dtype), b.to(dtype)
+            whole = product(xd, wd, bd)
+            rows = torch.cat([product(xd[i:i + 1], wd, bd) for i in range(m)])
+            assert torch.equal(rows, whole), (dtype, m, n, k)
 
 
-def test_linear_leaves_large_fp32_or_odd_inputs_to_torch(ops):
-    x, w = _randn(SMALL_M + 1, 64, seed=23), _randn(32, 64, seed=24)
-    assert torch.equal(ops.linear(x, DenseWeight(w)), F.linear(x, w))  # MKL's GEMM, bit for bit
-    bf16_rows = ops.max_rows[torch.bfloat16]
-    if bf16_rows is not None:  # a library with native bf16 products: beyond, torch's native bf16 GEMM
-        xb = _randn(bf16_rows + 1, 64, seed=26).bfloat16()
-        assert torch.equal(ops.linear(xb, DenseWeight(w.bfloat16())), F.linear(xb, w.bfloat16()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# k: short rows; rows of 1,100 values (vdpbf16ps: W a row at a time); n: tails of W's row groups
+@pytest.mark.parametrize("n,k", [(37, 64), (130, 200), (9, 1100)])
+def test_linear_rows_do_not_depend_on_the_other_rows(ops, dtype, n, k):
+    """Batch invariance: each row of a product is the same bits whatever the number of rows and its
+    place among them (130 rows: blocks of 64 rows of x, threads, and groups of 4 or 5 rows), and so
+    are the LM head's fp32 logits."""
+    x, w = _randn(130, k, seed=27).to(dtype), DenseWeight(_randn(n, k, seed=28).to(dtype))
+    for product in (ops.linear, ops.logits):
+        whole = product(x, w)
+        for rows in (1, 2, 3, 5, 16, 33, 64, 65):
+            assert torch.equal(product(x[:rows], w), whole[:rows]), (product.__name__, rows)
+        assert torch.equal(torch.cat([product(x[i:i + 1], w) for i in range(x.shape[0])]), whole), product.__name__
+
+
+def test_logits_are_the_unrounded_fp32_sums(ops):
+    """bf16 x and head: fp32 logits, not bf16 ones widened (the products' fp32 sums as they are)."""
+    x, w = _randn(3, 256, seed=33).bfloat16(), _randn(500, 256, seed=34).bfloat16()
+    got = ops.logits(x, DenseWeight(w))
+    assert got.dtype == torch.float32 and not torch.equal(got, got.bfloat16().float())
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double()), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.bfloat16(), ops.linear(x, DenseWeight(w)))  # the bf16 product: the same sums, rounded
+
+
+def test_linear_leaves_odd_inputs_to_torch(ops):
+    x, w = _randn(4, 64, seed=23), _randn(32, 64, seed=24)
     w_t = _randn(64, 32, seed=25).t()  # a transposed view: not contiguous
-    assert torch.equal(ops.linear(x[:4], DenseWeight(w_t)), F.linear(x[:4], w_t))
-    assert torch.equal(ops.linear(x[:4].half(), DenseWeight(w.half())), F.linear(x[:4].half(), w.half()))
+    assert torch.equal(ops.linear(x, DenseWeight(w_t)), F.linear(x, w_t))
+    assert torch.equal(ops.linear(x.half(), DenseWeight(w.half())), F.linear(x.half(), w.half()))
 
 
 @pytest.mark.parametrize("rows,dim", SIZES)
@@ -235,7 +258,7 @@ def test_one_signature_table_for_every_entry_point(ops):
     the library was loaded with them."""
     declared = _declared_entry_points()
     assert set(re.findall(r"\bnanoserve_\w+", (CSRC / "kernels.h").read_text())) == set(declared)  # all parsed
-    assert len(declared) == 23 and set(native.SIGNATURES) == set(declared)
+    assert len(declared) == 24 and set(native.SIGNATURES) == set(declared)
     for name, (restype, argtypes) in native.SIGNATURES.items():
         assert declared[name] == ("void" if restype is None else "int", len(argtypes)), name
         fn = getattr(ops.lib, name)

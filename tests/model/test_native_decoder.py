@@ -31,7 +31,7 @@ from nanoserve.model.checkpoint.weights import load_weights
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.demo import demo_draft_path
-from nanoserve.model.layer_ops import NATIVE_BF16_M, SMALL_M, CpuLayerOps, TorchLayerOps
+from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps
 from nanoserve.model.native_decoder import NativeDecoder
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight
 from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
@@ -44,12 +44,9 @@ from support.forward import paged_batch
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 
 BLOCK_SIZE = 8
-# (seq_len, query_len) per sequence, decodes first: steps of at most SMALL_M tokens (what fp32, and
-# bf16 on CPUs with AVX512-BF16, send here), and where bf16 comes here at any size, long prefill
-# chunks too.
-SMALL_SPECS = {"decodes": [(1, 1), (9, 1), (30, 1)], "decodes and drafts": [(12, 1), (30, 5), (17, 5), (40, 5)],
-               "a short prefill after context": [(20, 1), (45, 15)]}
-ANY_SPECS = {**SMALL_SPECS, "long chunks": [(20, 1), (60, 25), (70, 70), (7, 3)]}
+# (seq_len, query_len) per sequence, decodes first: decodes, drafts, and prefill chunks short and long.
+SPECS = {"decodes": [(1, 1), (9, 1), (30, 1)], "decodes and drafts": [(12, 1), (30, 5), (17, 5), (40, 5)],
+         "a short prefill after context": [(20, 1), (45, 15)], "long chunks": [(20, 1), (60, 25), (70, 70), (7, 3)]}
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +96,8 @@ def test_same_bits_as_the_python_forward(make_checkpoint, kernels, family, dtype
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for i, specs in enumerate((SMALL_SPECS if ops.max_rows[dtype] else ANY_SPECS).values()):
+        for i, specs in enumerate(SPECS.values()):
             ids, positions, kv, meta = _step(loaded.config, specs, dtype, seed=i)
-            assert native.fits(len(ids))
             kv_native = kv.clone()
             got = native(ids, positions, kv_native, meta)
             expected = loaded.model(ids, positions, kv, meta, backend)
@@ -173,7 +169,7 @@ def test_same_bits_as_the_python_forward_with_quantized_weights(make_checkpoint,
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            for i, specs in enumerate(SMALL_SPECS.values()):
+            for i, specs in enumerate(SPECS.values()):
                 ids, positions, kv, meta = _step(loaded.config, specs, dtype, seed=i)
                 kv_native = kv.clone()
                 got = native(ids, positions, kv_native, meta)
@@ -187,21 +183,6 @@ def test_same_bits_as_the_python_forward_with_quantized_weights(make_checkpoint,
                 assert drafts == [[t] for t in loaded.model.compute_logits(last).argmax(dim=-1).tolist()], specs
         finally:
             torch.set_num_threads(before)
-
-
-def test_takes_what_runs_in_cpp_anyway(make_checkpoint, kernels):
-    """fp32 steps of up to SMALL_M tokens (beyond, CpuLayerOps.linear hands fp32 to MKL); bf16 of up
-    to NATIVE_BF16_M where the library multiplies bf16 natively (beyond, to torch's native bf16
-    GEMM), else of any size."""
-    ops, backend = kernels
-    fp32 = NativeDecoder.build(_model(make_checkpoint, "qwen3", torch.float32, ops).model, backend)
-    bf16 = NativeDecoder.build(_model(make_checkpoint, "qwen3", torch.bfloat16, ops).model, backend)
-    assert fp32 is not None and bf16 is not None
-    assert fp32.fits(SMALL_M) and not fp32.fits(SMALL_M + 1)
-    if ops.lib.nanoserve_linear_bf16_native():
-        assert bf16.fits(NATIVE_BF16_M) and not bf16.fits(NATIVE_BF16_M + 1)
-    else:
-        assert bf16.fits(4096)
 
 
 def test_built_only_on_the_cpp_path(make_checkpoint, kernels):
@@ -220,7 +201,7 @@ def test_refuses_out_of_range_indices_having_written_nothing(make_checkpoint, ke
     loaded = _model(make_checkpoint, "qwen2", torch.float32, ops)
     native = NativeDecoder.build(loaded.model, backend)
     assert native is not None
-    ids, positions, kv, meta = _step(loaded.config, SMALL_SPECS["decodes and drafts"], torch.float32, seed=5)
+    ids, positions, kv, meta = _step(loaded.config, SPECS["decodes and drafts"], torch.float32, seed=5)
     pool = kv.clone()
     bad_ids = ids.clone()
     bad_ids[3] = loaded.config.vocab_size
@@ -311,7 +292,7 @@ def test_refuses_a_weight_format_it_cannot_read(make_checkpoint, kernels, caplog
 @pytest.mark.slow
 def test_engine_runners_use_it(demo_dir, monkeypatch):
     """The demo target and its draft (here the target itself) run their steps through it on the CPU
-    (fp32 decodes and verification steps of up to SMALL_M tokens; every draft pass of a proposal in
+    (every step, prefill chunks too; every draft pass of a proposal in
     one `draft_greedy` call), with the greedy output of the same engine without it."""
     calls: Counter[str] = Counter()
     call, draft = NativeDecoder.__call__, NativeDecoder.draft_greedy

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps
+from nanoserve.model.layer_ops import CpuLayerOps
 from nanoserve.model.quant.block_quant import (
     BLOCK_FORMATS,
     BlockQuantWeight,
@@ -37,7 +37,9 @@ from nanoserve.native import load_cpu_kernels
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 FORMATS = list(BLOCK_FORMATS)
 # Byte offsets of each format's fp16 scales within a block.
-SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,),
+                 "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,), "q3_k": (108,),
+                 "q2_k": (80, 82)}
 # (M, N, K in blocks): odd N, K with an odd number of 32-value blocks, M across the row-group tails.
 SHAPES = [(1, 1, 1), (1, 7, 3), (1, 13, 4), (2, 9, 2), (3, 33, 5), (4, 8, 4), (5, 67, 3), (7, 5, 8), (16, 64, 4),
           (33, 19, 6), (64, 130, 2)]
@@ -140,42 +142,6 @@ def test_quant_linear_within_the_activation_quantization_bound(lib: ctypes.CDLL,
         assert (out[:, n:] == 7.0).all(), "wrote outside its column slice"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_quant_linear_in_amx_tiles_is_the_bf16_product_of_w_dequantized(fmt: str) -> None:
-    """Where quant.cpp multiplies in AMX tiles (bf16 x of at least `nanoserve_quant_amx_rows` rows),
-    each of the first N - N % 16 columns is x times W dequantized and rounded to bf16, summed in fp32:
-    within 2^-12 of sum |x| |W| (fp32 summation over K <= 2048, far inside the activation bound of
-    the int8 products, ~2^-8) plus half an ulp of bf16; the last N % 16 columns take the int8
-    products (activation bound). Rows of x across the 16-row tiles and their pairs, several threads."""
-    lib = load_cpu_kernels()
-    assert lib is not None
-    first = lib.nanoserve_quant_amx_rows()
-    if first == 0:
-        pytest.skip("no AMX on this CPU (or the OS refuses its tile state): the int8 products take every row")
-    rng = np.random.default_rng(11 + FORMATS.index(fmt))
-    spec = BLOCK_FORMATS[fmt]
-    for i, (m, n, kb) in enumerate([(first, 16, 1), (16, 32, 3), (17, 48, 2), (33, 67, 1), (64, 130, 8 if
-                                    spec.block_size == 32 else 2), (100, 40, 1)]):
-        k = kb * spec.block_size
-        raw = random_blocks(fmt, n, k, rng)
-        w = reference(raw, fmt)
-        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16)
-        bias = torch.randn(n).to(torch.bfloat16) if i % 2 == 0 else None
-        out = torch.full((m, n + 5), 7.0, dtype=torch.bfloat16)
-        assert lib.nanoserve_quant_linear_bf16(x.data_ptr(), raw.ctypes.data, int(spec.qtype),
-                                               None if bias is None else bias.data_ptr(), out.data_ptr(), n + 5,
-                                               m, n, k, 1 + i % 2) == 1
-        plus = 0 if bias is None else bias.float()
-        ref = x.float() @ w.to(torch.bfloat16).float().T + plus
-        tol = 2**-12 * (x.float().abs() @ w.abs().T) + ref.abs() * 2**-8 + 1e-6
-        tiled = n // 16 * 16
-        tol[:, tiled:] = (bound(w, x.float()) + (x.float() @ w.T + plus).abs() * 2**-8)[:, tiled:]
-        ref[:, tiled:] = (x.float() @ w.T + plus)[:, tiled:]
-        err = (out[:, :n].float() - ref).abs()
-        assert (err <= tol).all(), f"{fmt} M={m} N={n} K={k}: max excess {(err - tol).max().item()}"
-        assert (out[:, n:] == 7.0).all(), "wrote outside its column slice"
-
-
 def test_quant_linear_refuses_what_it_does_not_take(lib: ctypes.CDLL) -> None:
     out = torch.zeros(1, 4)
     x = torch.zeros(1, 100)
@@ -237,14 +203,36 @@ def test_k_quants_cannot_be_quantized_here() -> None:
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_layer_ops_products_of_quantized_and_stacked_weights(dtype: torch.dtype) -> None:
-    """CpuLayerOps.linear on a stacked weight (q4_k, a dense part, q6_k, with a bias) against the
-    reference (dequantize, then F.linear): within the activation quantization bound up to
-    `quant_max_rows` rows (quant.cpp), to GEMM rounding beyond (dequantized tiles, here several per
-    part); and embed gathers the dequantized rows."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_s_rows_do_not_depend_on_the_other_rows(fmt: str, dtype: torch.dtype) -> None:
+    """Batch invariance for each block format: CpuLayerOps.linear and .logits give a row the same
+    bits alone, among 3 or 33 rows or among 70 (one path for any number of rows), and the fp32
+    logits rounded to the dtype are linear's output."""
     lib = load_cpu_kernels()
     assert lib is not None
-    ops, reference = CpuLayerOps(lib), TorchLayerOps()
+    ops = CpuLayerOps(lib)
+    rng = np.random.default_rng(11 + FORMATS.index(fmt))
+    k = 512
+    w = BlockQuantWeight(fmt, torch.from_numpy(random_blocks(fmt, 67, k, rng)), k, dtype)
+    rows = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32)).to(dtype)
+    whole, logits = ops.linear(rows, w), ops.logits(rows, w)
+    assert logits.dtype == torch.float32
+    for m in (1, 3, 33):
+        assert torch.equal(ops.linear(rows[:m], w), whole[:m]), m
+        assert torch.equal(ops.logits(rows[:m], w), logits[:m]), m
+    assert torch.equal(torch.cat([ops.linear(rows[i:i + 1], w) for i in range(70)]), whole)
+    assert torch.equal(logits.to(dtype), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_layer_ops_products_of_quantized_and_stacked_weights(dtype: torch.dtype) -> None:
+    """CpuLayerOps.linear on a stacked weight (q4_k, a dense part, q6_k, with a bias) against the
+    reference (dequantize, then F.linear): within the activation quantization bound at any number of
+    rows (quant.cpp's int8 products), each row the same bits whatever the other rows, the LM head's
+    fp32 logits too; and embed gathers the dequantized rows."""
+    lib = load_cpu_kernels()
+    assert lib is not None
+    ops = CpuLayerOps(lib)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)
     k = 512
@@ -254,20 +242,18 @@ def test_cpu_layer_ops_products_of_quantized_and_stacked_weights(dtype: torch.dt
     w = StackedWeight([top, dense, bottom])
     dense_w = torch.cat([dequantize(top), dense.weight.float(), dequantize(bottom)])
     bias = torch.randn(w.out_features, generator=gen).to(dtype)
-    limit = ops.quant_max_rows[dtype] or 64
-    for m in (1, 3, limit, limit + 1):
-        x = torch.randn(m, k, generator=gen).to(dtype)
-        got = ops.linear(x, w, bias).float()
-        ref = reference.linear(x, w, bias).float()
+    rows = torch.randn(70, k, generator=gen).to(dtype)
+    whole, logits = ops.linear(rows, w, bias), ops.logits(rows, bottom)
+    assert logits.dtype == torch.float32
+    for m in (1, 3, 33, 70):
+        x = rows[:m]
+        got = ops.linear(x, w, bias)
+        assert torch.equal(got, whole[:m]) and torch.equal(ops.logits(x, bottom), logits[:m]), m
         exact = x.float() @ dense_w.T + bias.float()
-        if ops.quant_max_rows[dtype] is None or m <= limit:
-            tol = bound(dense_w, x.float()) + exact.abs() * 2**-7 + (2**-8 if dtype == torch.bfloat16 else 0)
-            assert ((got - exact).abs() <= tol).all(), m
-        else:
-            # Two GEMMs summing in different orders: each output within a few roundings of the
-            # terms it sums (|x| |W|^T), whatever the cancellation between them.
-            scale = x.float().abs() @ dense_w.abs().T + bias.float().abs()
-            assert ((got - ref).abs() <= scale * (2**-6 if dtype == torch.bfloat16 else 1e-5)).all(), m
+        tol = bound(dense_w, x.float()) + exact.abs() * 2**-7 + (2**-8 if dtype == torch.bfloat16 else 0)
+        assert ((got.float() - exact).abs() <= tol).all(), m
+    assert torch.equal(torch.cat([ops.logits(rows[i:i + 1], bottom) for i in range(70)]), logits)
+    assert torch.equal(logits.to(dtype), ops.linear(rows, bottom))  # the same sums, rounded to the dtype
     ids = torch.tensor([[5, 0], [1099, 17]])
     assert torch.equal(ops.embed(ids, bottom), dequantize(bottom, dtype)[ids])
     with pytest.raises(IndexError):

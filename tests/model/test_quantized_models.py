@@ -10,8 +10,8 @@ moves by at most half its block's step s = max|x_block| / 127, uniformly, so by 
 the largest of 32 Gaussian values is about 2.5 standard deviations, so each product's relative RMS
 error is about 2.5 / 127 / sqrt(12) = 0.57% (measured 0.50-0.58% per product, every format). Nine
 products deep (two layers and the LM head), with the norms between, the logits' relative RMS error
-measured 1.5-2.0% on the Q8_0 / Q4_0 models and 1.9-2.9% on the k-quant ones, one token per step;
-a prefill of many rows multiplies dequantized tiles of the weights (measured 0). LOGIT_TOLERANCE
+measured 1.5-2.0% on the Q8_0 / Q4_0 models and 1.9-2.9% on the k-quant ones, one token per step
+(a prefill of many rows takes the same int8 products, row by row the same bits). LOGIT_TOLERANCE
 leaves about 2x over that. A wrong block layout, scale or row order gives ~100%.
 """
 
@@ -76,8 +76,17 @@ K_SHAPE = {"hidden_size": 256, "intermediate_size": 512}
 # Q6_K): per layer, the type of each matrix that is not Q4_K. Layer 1's o_proj is Q5_K, its up
 # Q5_K, so q/k/v of layer 0 and gate/up of layer 1 are stacked from two formats.
 K_MIX = {0: {"attn_v": QType.Q6_K, "ffn_down": QType.Q6_K}, 1: {"attn_output": QType.Q5_K, "ffn_up": QType.Q5_K}}
-# Scale d (and dmin) of random k-quant blocks giving weights of standard deviation about 0.1.
-K_SCALES = {QType.Q4_K: 3.9e-4, QType.Q5_K: 1.9e-4, QType.Q6_K: 7.3e-5}
+# The fp16 block scales of random blocks of the types gguf-py cannot quantize to, {byte offset: value}:
+# d (and dmin centring the values of q4_k / q5_k / q2_k) giving weights of standard deviation about 0.1.
+K_SCALES = {QType.Q4_K: {0: 3.9e-4, 2: 3.9e-4 * 7.5}, QType.Q5_K: {0: 1.9e-4, 2: 1.9e-4 * 15.5},
+            QType.Q6_K: {208: 7.3e-5}, QType.IQ4_NL: {0: 1.4e-3}, QType.IQ4_XS: {0: 9e-5}, QType.Q3_K: {108: 2.7e-3},
+            QType.Q2_K: {80: 8e-3, 82: 1.2e-2}}
+# A file of the other block types, each in two places (llama's matrices, the embedding and the LM
+# head): per layer, the type of each matrix; q/k/v and gate/up stacked from three and two formats.
+OTHER_MIX = {0: {"attn_q": QType.Q4_1, "attn_k": QType.Q5_0, "attn_v": QType.Q5_1, "attn_output": QType.IQ4_NL,
+                 "ffn_gate": QType.IQ4_XS, "ffn_up": QType.Q3_K, "ffn_down": QType.Q2_K},
+             1: {"attn_q": QType.IQ4_XS, "attn_k": QType.Q3_K, "attn_v": QType.Q2_K, "attn_output": QType.Q4_1,
+                 "ffn_gate": QType.Q5_0, "ffn_up": QType.Q5_1, "ffn_down": QType.IQ4_NL}}
 # Share of the steps of llama.cpp's greedy runs on a Q8_0 file where ours picks its token. Measured
 # 48, 48, 47 and 46 of 48 (llama, qwen2, qwen3, mistral); free runs agree on 48, 48, 24, 28.
 LLAMA_CPP_AGREEMENT = 0.9
@@ -97,24 +106,29 @@ def _k_type(name: str) -> QType:
     return QType.Q4_K
 
 
+def _other_type(name: str) -> QType:
+    """The type of GGUF tensor `name` in the OTHER_MIX file."""
+    if name == "output.weight":
+        return QType.Q3_K
+    if name.startswith("blk."):
+        layer, tensor = name.split(".")[1:3]
+        return OTHER_MIX[int(layer)][tensor]
+    return QType.IQ4_NL
+
+
 def _random_k_blocks(rows: int, in_features: int, kind: QType, gen: torch.Generator) -> np.ndarray:
-    """Valid random blocks of a k-quant type: random quants, sub-block scales and mins, with the
-    fp16 block scales (d, and dmin centring the values of q4_k / q5_k) set to K_SCALES."""
+    """Valid random blocks of a type in K_SCALES: random quants, sub-block scales and mins, with the
+    fp16 block scales set to K_SCALES."""
     block, type_size = gguf.GGML_QUANT_SIZES[kind]
     raw = torch.randint(0, 256, (rows, in_features // block, type_size), generator=gen, dtype=torch.uint8)
-    d = torch.tensor([K_SCALES[kind]], dtype=torch.float16).view(torch.uint8)
-    if kind == QType.Q6_K:
-        raw[..., 208:210] = d
-    else:
-        centre = 7.5 if kind == QType.Q4_K else 15.5  # mean quant: value mean ~ 0
-        raw[..., 0:2] = d
-        raw[..., 2:4] = torch.tensor([K_SCALES[kind] * centre], dtype=torch.float16).view(torch.uint8)
+    for at, value in K_SCALES[kind].items():
+        raw[..., at:at + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
     return raw.reshape(rows, -1).numpy()
 
 
 def _retyped(src: Path, dst: Path, kind_of: Callable[[str], QType]) -> Path:
-    """A copy of the F32 GGUF file `src` with each matrix stored as `kind_of(name)`: Q8_0 / Q4_0
-    quantized from its values, k-quants as random valid blocks (gguf-py has no k-quantizer)."""
+    """A copy of the F32 GGUF file `src` with each matrix stored as `kind_of(name)`: quantized from its
+    values where gguf-py has a quantizer, as random valid blocks (K_SCALES) where it has none."""
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
@@ -140,15 +154,17 @@ def _retyped(src: Path, dst: Path, kind_of: Callable[[str], QType]) -> Path:
 @pytest.fixture(scope="module")
 def gguf_file(make_checkpoint: Callable[..., Path],
               tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], tuple[Path, Path]]:
-    """(family, "Q8_0" | "Q4_0" | "K_MIX") -> (safetensors folder, GGUF file), built once each."""
+    """(family, "Q8_0" | "Q4_0" | "K_MIX" | "OTHER_MIX") -> (safetensors folder, GGUF file), built once
+    each."""
     cache: dict[tuple[str, str], tuple[Path, Path]] = {}
 
     def make(family: str, kind: str) -> tuple[Path, Path]:
         if (family, kind) not in cache:
             out = tmp_path_factory.mktemp("quant")
-            if kind == "K_MIX":
+            if kind in ("K_MIX", "OTHER_MIX"):
                 src = make_checkpoint(family, **_k_shape(family))
-                path = _retyped(export_gguf(src, out / "f32.gguf"), out / f"{family}-k.gguf", _k_type)
+                path = _retyped(export_gguf(src, out / "f32.gguf"), out / f"{family}-{kind}.gguf",
+                                _k_type if kind == "K_MIX" else _other_type)
             else:
                 src = make_checkpoint(family)
                 path = export_gguf(src, out / f"{family}-{kind}.gguf", kind)
@@ -209,8 +225,7 @@ def _greedy(loaded: LoadedModel, prompt: str | list[int] = PROMPT) -> list[int]:
 
 def _check_logits(quantized: LoadedModel, dense: LoadedModel) -> None:
     """Logits within LOGIT_TOLERANCE of the dense model's, in one prefill of whole sequences (many
-    rows: products on dequantized tiles of the weights) and one token per sequence and step (a few
-    rows: the int8 products)."""
+    rows) and one token per sequence and step (a few rows), both through the int8 products."""
     seqs = _seqs(quantized.config.vocab_size)
     assert _relative_error(full_logits(dense, seqs), full_logits(quantized, seqs)) < LOGIT_TOLERANCE
     steps = [[[t] for t in seq] for seq in seqs]
@@ -369,6 +384,26 @@ def test_k_quant_mix_kept_quantized(gguf_file, family):
     assert formats.get("lm_head", "q6_k") == "q6_k"  # absent when tied to the embedding
 
 
+def test_other_block_types_kept_quantized(gguf_file, caplog):
+    """A file of Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q3_K and Q2_K matrices loads with every one kept
+    in its blocks (no conversion line) and computes what the dequantized model computes."""
+    _, path = gguf_file("llama", "OTHER_MIX")
+    with caplog.at_level(logging.INFO, logger="nanoserve.model.checkpoint.gguf_reader"):
+        loaded = _check_against_dequantized(path)
+    assert not [r.message for r in caplog.records if r.name == "nanoserve.model.checkpoint.gguf_reader"]
+    formats = _formats(loaded.model)
+    assert formats["layers.0.self_attn.qkv_proj"] == "q4_1+q5_0+q5_1"
+    assert formats["layers.0.self_attn.o_proj"] == "iq4_nl"
+    assert formats["layers.0.mlp.gate_up_proj"] == "iq4_xs+q3_k"
+    assert formats["layers.0.mlp.down_proj"] == "q2_k"
+    assert formats["layers.1.self_attn.qkv_proj"] == "iq4_xs+q3_k+q2_k"
+    assert formats["layers.1.self_attn.o_proj"] == "q4_1"
+    assert formats["layers.1.mlp.gate_up_proj"] == "q5_0+q5_1"
+    assert formats["layers.1.mlp.down_proj"] == "iq4_nl"
+    assert formats["embed_tokens"] == "iq4_nl"
+    assert formats["lm_head"] == "q3_k"
+
+
 def test_tied_quantized_embedding_is_the_head(gguf_file):
     """A tied Q8_0 token_embd stays one quantized table: gathered for inputs, multiplied as the head."""
     _, path = gguf_file("qwen2", "Q8_0")
@@ -378,17 +413,17 @@ def test_tied_quantized_embedding_is_the_head(gguf_file):
 
 
 def test_other_types_dequantized_with_one_log_line(gguf_file, tmp_path, caplog):
-    """Matrices of types without a block product (Q5_0 here, F16 there) are dense in the model's
+    """Matrices of types without a block product (TQ2_0 here, F16 there) are dense in the model's
     dtype, next to the kept ones; one log line names them."""
-    src, _ = gguf_file("llama", "Q8_0")
+    src, _ = gguf_file("llama", "K_MIX")
     mixed = _retyped(export_gguf(src, tmp_path / "f32.gguf"), tmp_path / "mixed.gguf",
-                     lambda name: QType.Q5_0 if "ffn" in name else QType.F16 if "attn_output" in name else QType.Q8_0)
+                     lambda name: QType.TQ2_0 if "ffn" in name else QType.F16 if "attn_output" in name else QType.Q8_0)
     with caplog.at_level(logging.INFO, logger="nanoserve.model.checkpoint.gguf_reader"):
         load_model(mixed, dtype=torch.float32)
     loaded = _check_against_dequantized(mixed, all_kept=False)
     assert [r.message for r in caplog.records if r.name == "nanoserve.model.checkpoint.gguf_reader"] == [
-        "mixed.gguf: converting F16, Q5_0 tensors to the model's dtype at load "
-        "(nanoserve multiplies Q8_0, Q4_0, Q4_K, Q5_K, Q6_K blocks)"]
+        "mixed.gguf: converting F16, TQ2_0 tensors to the model's dtype at load "
+        "(nanoserve multiplies Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q2_K blocks)"]
     formats = _formats(loaded.model)
     assert formats["layers.0.mlp.gate_up_proj"] == formats["layers.0.self_attn.o_proj"] == "dense"
     assert formats["layers.0.self_attn.qkv_proj"] == formats["embed_tokens"] == "q8_0"

@@ -16,10 +16,11 @@ Invariants:
   of families with a `LayerShape.norm_offset` less that offset (llama.cpp stores 1 + w), and the Q/K
   rows of files whose architecture stores them interleaved (`llama`) un-permuted from llama.cpp's
   interleaved rotary layout back to the rotate-half layout of `transformers`.
-- Tensors of a type nanoserve multiplies in its block format (`KEPT_TYPES`: Q8_0, Q4_0, Q4_K,
-  Q5_K, Q6_K) come as `QuantizedRows`, the file's bytes untouched (a row permutation moves whole
-  rows of blocks: blocks run along a row); `tensor_formats` names them before any is read. Every
-  other type is converted to the dtype asked for.
+- Tensors of a type nanoserve multiplies in its block format (`KEPT_TYPES`: Q8_0, Q4_0, Q4_1,
+  Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q2_K) come as `QuantizedRows`, the file's
+  bytes untouched (a row permutation moves whole rows of blocks: blocks run along a row);
+  `tensor_formats` names them before any is read. Every other type is converted to the dtype
+  asked for.
 - The rebuilt tokenizer tokenizes as llama.cpp does: byte-level BPE split by the file's
   `tokenizer.ggml.pre` as llama.cpp splits for that name (`nanoserve.tokenizer.pre_tokenizers`; an
   unknown pre-tokenizer fails rather than silently splitting text differently), SentencePiece

@@ -8,6 +8,12 @@ exactly the bytes of a GGUF tensor. The formats here, byte for byte as ggml lays
 - q8_0 (32 values, 34 bytes): fp16 d, int8 q[32]; value = d * q.
 - q4_0 (32 values, 18 bytes): fp16 d, 16 bytes of nibbles: byte j holds value j (low nibble) and
   value j + 16 (high nibble); value = d * (nibble - 8).
+- q4_1 (32 values, 20 bytes): fp16 d, fp16 m, q4_0's nibbles; value = d * nibble + m.
+- q5_0 (32 values, 22 bytes): fp16 d, 4 bytes qh (bit i of the little-endian uint32 tops value i
+  as its fifth bit), q4_0's nibbles; value = d * (q - 16).
+- q5_1 (32 values, 24 bytes): fp16 d, fp16 m, q5_0's qh and nibbles; value = d * q + m.
+- iq4_nl (32 values, 18 bytes): fp16 d, q4_0's nibbles, each indexing the 16 non-linear values
+  IQ4_VALUES; value = d * IQ4_VALUES[nibble].
 - q4_k (256 values, 144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and eight 6-bit
   mins (one per 32 values), 128 bytes of nibbles: the 32 bytes of chunk c hold values 64c + l (low
   nibble) and 64c + 32 + l (high); value = d * scale * nibble - dmin * min.
@@ -15,6 +21,18 @@ exactly the bytes of a GGUF tensor. The formats here, byte for byte as ggml lays
   bit 2c of qh[l] tops value 64c + l, bit 2c + 1 value 64c + 32 + l.
 - q6_k (256 values, 210 bytes): 128 bytes ql of low nibbles, 64 bytes qh of high bit pairs, sixteen
   int8 scales (one per 16 values), fp16 d; value = d * scale * (q - 32).
+- iq4_xs (256 values, 136 bytes): fp16 d, uint16 of the eight scales' top two bits (bits 2c, 2c + 1
+  for sub-block c), 4 bytes of their low nibbles (sub-block 2i the low nibble of byte i, 2i + 1 the
+  high), then per sub-block of 32 values 16 bytes of nibbles laid out as iq4_nl's; value =
+  d * (scale - 32) * IQ4_VALUES[nibble].
+- q3_k (256 values, 110 bytes): 32 bytes hmask, 64 bytes qs of 2-bit values, 12 bytes of sixteen
+  6-bit scales (one per 16 values: scale i has the low or high nibble of byte i % 8, for i < 8 or
+  not, and bits 2 (i / 4), 2 (i / 4) + 1 of byte 8 + i % 4 on top), fp16 d. Value 128h + 32s + l is
+  bits 2s, 2s + 1 of qs[32h + l] plus 4 if bit 4h + s of hmask[l] is set; value = d * (scale - 32) *
+  (q - 4).
+- q2_k (256 values, 84 bytes): sixteen bytes of a 4-bit scale (low nibble) and a 4-bit min (high
+  nibble), one per 16 values, 64 bytes qs of 2-bit values laid out as q3_k's, fp16 d, fp16 dmin;
+  value = d * scale * q - dmin * min.
 
 `QuantizedRows` carries raw blocks of some rows (what the GGUF reader hands over), `BlockQuantWeight`
 is a `LinearWeight` stored in one of these formats, `StackedWeight` a fused matrix whose row ranges
@@ -53,10 +71,19 @@ class BlockFormat:
 BLOCK_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("q8_0", GGMLQuantizationType.Q8_0, 32, 34),
     BlockFormat("q4_0", GGMLQuantizationType.Q4_0, 32, 18),
+    BlockFormat("q4_1", GGMLQuantizationType.Q4_1, 32, 20),
+    BlockFormat("q5_0", GGMLQuantizationType.Q5_0, 32, 22),
+    BlockFormat("q5_1", GGMLQuantizationType.Q5_1, 32, 24),
+    BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, 32, 18),
     BlockFormat("q4_k", GGMLQuantizationType.Q4_K, 256, 144),
     BlockFormat("q5_k", GGMLQuantizationType.Q5_K, 256, 176),
     BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 256, 210),
+    BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, 256, 136),
+    BlockFormat("q3_k", GGMLQuantizationType.Q3_K, 256, 110),
+    BlockFormat("q2_k", GGMLQuantizationType.Q2_K, 256, 84),
 )}
+# iq4_nl's and iq4_xs's values, indexed by a nibble (ggml's kvalues_iq4nl).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def block_format(fmt: str) -> BlockFormat:
@@ -260,6 +287,75 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
     return _fp16(blocks, 0) * (torch.cat([low, high], dim=1) - 8).to(torch.float32)
 
 
+def _q4(packed: torch.Tensor) -> torch.Tensor:
+    """The 32 nibbles [blocks, 32] of 16 bytes: the low nibbles are values 0-15, the high 16-31."""
+    low, high = _nibbles(packed)
+    return torch.cat([low, high], dim=1)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Bit i of the little-endian uint32 in 4 bytes qh [blocks, 4], as 16 * bit [blocks, 32]."""
+    shifts = torch.arange(8, dtype=torch.int32, device=qh.device)
+    bits = (qh.to(torch.int32)[:, :, None] >> shifts) & 1  # [blocks, byte, bit]: value 8 byte + bit
+    return bits.reshape(-1, 32) << 4
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _fp16(blocks, 0) * _q4(blocks[:, 4:]).to(torch.float32) + _fp16(blocks, 2)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _q4(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])
+    return _fp16(blocks, 0) * (q - 16).to(torch.float32)
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _q4(blocks[:, 8:]) | _fifth_bits(blocks[:, 4:8])
+    return _fp16(blocks, 0) * q.to(torch.float32) + _fp16(blocks, 2)
+
+
+def _iq4(nibbles: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=nibbles.device)[nibbles.long()]
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    return _fp16(blocks, 0) * _iq4(_q4(blocks[:, 2:]))
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    high = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [blocks, 1]
+    low = torch.stack(_nibbles(blocks[:, 4:8]), dim=2).reshape(-1, 8)  # sub-block 2i, 2i + 1 of byte i
+    shifts = 2 * torch.arange(8, dtype=torch.int32, device=blocks.device)
+    scales = (low | (((high >> shifts) & 3) << 4)) - 32  # [blocks, 8]
+    q = _iq4(_q4(blocks[:, 8:].reshape(-1, 16))).reshape(-1, 8, 32)
+    return ((_fp16(blocks, 0) * scales.to(torch.float32))[:, :, None] * q).reshape(-1, 256)
+
+
+def _two_bits(qs: torch.Tensor) -> torch.Tensor:
+    """The 256 2-bit values [blocks, 16, 16] of 64 bytes qs: value 128h + 32s + l is bits 2s, 2s + 1 of
+    qs[32h + l]."""
+    shifts = 2 * torch.arange(4, dtype=torch.int32, device=qs.device).reshape(1, 1, 4, 1)
+    return ((qs.to(torch.int32).reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    packed = blocks[:, 0:16].to(torch.int32)
+    dl = _fp16(blocks, 80) * (packed & 0xF).to(torch.float32)
+    ml = _fp16(blocks, 82) * (packed >> 4).to(torch.float32)
+    return (dl[:, :, None] * _two_bits(blocks[:, 16:80]).to(torch.float32) - ml[:, :, None]).reshape(-1, 256)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    packed = blocks[:, 96:108].to(torch.int32)
+    i = torch.arange(16, device=blocks.device)
+    scales = ((packed[:, i % 8] >> (4 * (i // 8))) & 0xF) | (((packed[:, 8 + i % 4] >> (2 * (i // 4))) & 3) << 4)
+    dl = _fp16(blocks, 108) * (scales - 32).to(torch.float32)  # [blocks, 16]
+    # bit j of hmask[l] tops value 32j + l
+    high = (blocks[:, 0:32].to(torch.int32)[:, None, :] >> torch.arange(8, device=blocks.device)[:, None]) & 1
+    q = (_two_bits(blocks[:, 32:96]) | (high.reshape(-1, 16, 16) << 2)) - 4
+    return (dl[:, :, None] * q.to(torch.float32)).reshape(-1, 256)
+
+
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The eight 6-bit scales and eight 6-bit mins [blocks, 8] of q4_k / q5_k's 12 scale bytes:
     bytes 0-3 hold scales 0-3 (low 6 bits), bytes 4-7 mins 0-3; scales and mins 4-7 take their low
@@ -307,4 +403,5 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return value.reshape(-1, 256)
 
 
-_DECODERS = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+_DECODERS = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "iq4_nl": _iq4_nl,
+             "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "iq4_xs": _iq4_xs, "q3_k": _q3_k, "q2_k": _q2_k}
