@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from nanoserve import kernel_build
 from nanoserve.attention import CpuPagedAttention, TorchAttention, select_backend
 from nanoserve.attention.cpu_paged import HEAD_DIMS, load_paged_attention
 
@@ -204,6 +205,9 @@ def test_selection(monkeypatch, tmp_path):
     assert isinstance(select_backend("auto", cpu), CpuPagedAttention)
     assert isinstance(select_backend("cpu", cpu), CpuPagedAttention)
     assert type(select_backend("torch", cpu)) is TorchAttention
+    # A machine with neither a compiler nor a prebuilt library (the package build's is skipped here).
+    monkeypatch.setattr(kernel_build, "prebuilt_library",
+                        lambda folder, flags=None: kernel_build.Prebuilt(None, "no prebuilt library here"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "empty"))
     assert type(select_backend("auto", cpu)) is TorchAttention  # warns, serves with torch

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve import native
+from nanoserve import kernel_build, native
 from nanoserve.model.config import RopeScaling
 from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps, select_layer_ops
 from nanoserve.model.layers import rope_cos_sin, rope_inv_freq
@@ -275,6 +275,9 @@ def test_selection(monkeypatch, tmp_path):
     assert type(select_layer_ops("torch", cpu, torch.float32)) is TorchLayerOps  # the pure-PyTorch path
     assert type(select_layer_ops("auto", cpu, torch.float16)) is TorchLayerOps  # no fp16 build
     assert type(select_layer_ops("auto", torch.device("meta"), torch.float32)) is TorchLayerOps
+    # A machine with neither a compiler nor a prebuilt library (the package build's is skipped here).
+    monkeypatch.setattr(kernel_build, "prebuilt_library",
+                        lambda folder, flags=None: kernel_build.Prebuilt(None, "no prebuilt library here"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "empty"))
     assert type(select_layer_ops("auto", cpu, torch.float32)) is TorchLayerOps  # warns, runs on torch
