@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from served import wait_healthy
 
 TEMPLATE = (
     "{%- if messages[-1].content == 'big' %}{{ 'x' * 10**7 }}{% endif -%}"
@@ -70,18 +71,8 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "--log-level", "WARNING", "serve", str(model),
                                "--port", str(ns.port), "--max-model-len", "2048"], env=env, cwd=ns.tree)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become healthy")
-            time.sleep(0.2)
+        wait_healthy(url, server)
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)  # warm: the template workers start
         attack(url, ns.tree, "5 MB prompt", "/v1/completions", {"prompt": "lorem ipsum " * 420_000, "max_tokens": 1})
         attack(url, ns.tree, "template 'x' * 10**7", "/v1/chat/completions",
                {**chat, "messages": [{"role": "user", "content": "big"}]})

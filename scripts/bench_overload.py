@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+from served import wait_healthy
 
 
 def request_bytes(port: int) -> bytes:
@@ -77,18 +77,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{ns.port}"
     server = subprocess.Popen([*cli, *flags], env=env, cwd=ns.tree)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become healthy")
-            time.sleep(0.2)
-        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)  # warm: the template workers start
+        wait_healthy(url, server)
         results = asyncio.run(flood(ns.port, ns.requests))
     finally:
         server.terminate()
