@@ -259,8 +259,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [n, vocab] for the given rows of hidden states (`LayerOps.logits`, divided by
-        `cfg.logits_scaling`)."""
+        """fp32 logits [n, vocab] for the given rows of hidden states (`LayerOps.logits`, then
+        `scale_logits`)."""
         return self.scale_logits(self.ops.logits(hidden, self.head))
 
     @property

@@ -76,6 +76,11 @@ LLAMA_LAYER_TENSORS = (
     TensorName("mlp.up_proj.weight", "ffn_up.weight", "mlp.gate_up_proj", "up"),
     TensorName("mlp.down_proj.weight", "ffn_down.weight", "mlp.down_proj"),
 )
+# RMSNorm weights of q and k (Qwen3, Gemma 3: per head; OLMo 2: over the whole projection).
+QK_NORM_TENSORS = (
+    TensorName("self_attn.q_norm.weight", "attn_q_norm.weight", "self_attn.q_norm.weight"),
+    TensorName("self_attn.k_norm.weight", "attn_k_norm.weight", "self_attn.k_norm.weight"),
+)
 
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")

@@ -17,7 +17,14 @@ llama.cpp stores it as `gemma3`, rotary halves not interleaved (NEOX order), nor
 layer global; the reader takes those defaults where the keys are absent.
 """
 
-from nanoserve.model.families.family import LLAMA_LAYER_TENSORS, Family, GGUFArch, LayerShape, TensorName
+from nanoserve.model.families.family import (
+    LLAMA_LAYER_TENSORS,
+    QK_NORM_TENSORS,
+    Family,
+    GGUFArch,
+    LayerShape,
+    TensorName,
+)
 
 _LLAMA = {t.hf: t for t in LLAMA_LAYER_TENSORS}
 
@@ -29,8 +36,7 @@ GEMMA3_LAYER_TENSORS = (
     _LLAMA["self_attn.k_proj.weight"],
     _LLAMA["self_attn.v_proj.weight"],
     _LLAMA["self_attn.o_proj.weight"],
-    TensorName("self_attn.q_norm.weight", "attn_q_norm.weight", "self_attn.q_norm.weight"),
-    TensorName("self_attn.k_norm.weight", "attn_k_norm.weight", "self_attn.k_norm.weight"),
+    *QK_NORM_TENSORS,
     TensorName("post_attention_layernorm.weight", "post_attention_norm.weight", "attn_output_norm.weight"),
     TensorName("pre_feedforward_layernorm.weight", "ffn_norm.weight", "post_attention_layernorm.weight"),
     _LLAMA["mlp.gate_proj.weight"],

@@ -9,14 +9,20 @@ is per head); the Python forward runs these layers, its products and norms throu
 llama.cpp stores it as `olmo2`, rotary halves not interleaved (NEOX order).
 """
 
-from nanoserve.model.families.family import LLAMA_LAYER_TENSORS, Family, GGUFArch, LayerShape, TensorName
+from nanoserve.model.families.family import (
+    LLAMA_LAYER_TENSORS,
+    QK_NORM_TENSORS,
+    Family,
+    GGUFArch,
+    LayerShape,
+    TensorName,
+)
 
 _NORMS_BEFORE = ("input_layernorm.weight", "post_attention_layernorm.weight")
 
 OLMO2_LAYER_TENSORS = (
     *(t for t in LLAMA_LAYER_TENSORS if t.hf not in _NORMS_BEFORE),
-    TensorName("self_attn.q_norm.weight", "attn_q_norm.weight", "self_attn.q_norm.weight"),
-    TensorName("self_attn.k_norm.weight", "attn_k_norm.weight", "self_attn.k_norm.weight"),
+    *QK_NORM_TENSORS,
     TensorName("post_attention_layernorm.weight", "post_attention_norm.weight", "attn_output_norm.weight"),
     TensorName("post_feedforward_layernorm.weight", "post_ffw_norm.weight", "mlp_output_norm.weight"),
 )

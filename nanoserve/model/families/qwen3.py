@@ -1,12 +1,7 @@
 """Qwen3: Llama's layers with a per-head RMSNorm on q and k before rotary, and a sliding window
 only under `use_sliding_window`."""
 
-from nanoserve.model.families.family import LLAMA_LAYER_TENSORS, Family, GGUFArch, TensorName
-
-QK_NORM_TENSORS = (
-    TensorName("self_attn.q_norm.weight", "attn_q_norm.weight", "self_attn.q_norm.weight"),
-    TensorName("self_attn.k_norm.weight", "attn_k_norm.weight", "self_attn.k_norm.weight"),
-)
+from nanoserve.model.families.family import LLAMA_LAYER_TENSORS, QK_NORM_TENSORS, Family, GGUFArch
 
 QWEN3 = Family(
     name="qwen3",
