@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from nanoserve import __version__, cli
@@ -186,6 +187,36 @@ def test_serve_logs_its_stages_then_one_ready_line(demo_dir: Path) -> None:
     for stage in ("importing the server and the engine", "/health answers 503 until it is ready", f"loading {demo_dir}",
                   "KV cache: 16 blocks of 16 tokens"):
         assert sum(stage in line for line in lines) == 1, (stage, text)
+
+
+CTRL_C_BOUND_S = 20.0  # seconds from Ctrl-C to exit: generous for a busy machine; the load here never ends
+
+
+def test_ctrl_c_while_the_model_loads_stops_at_once(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while the engine process loads
+    the model: `serve` exits 0 within the bound, says so in one line, shows no traceback, and
+    leaves no process behind. The model's config.json is a named pipe that no one writes, so the
+    load never ends by itself (as on a stalled network mount): a stop that waited for it never ends."""
+    model = tmp_path / "stalled"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    argv = [*COMMAND, "serve", str(model), "--port", str(_free_port())]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        _lines_until(proc, lambda line: f"loading {model}\n" in line, LOAD_TIMEOUT_S)  # the engine process's line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("spawn_main" in " ".join(c.cmdline()) for c in children), children
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=CTRL_C_BOUND_S)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, rest
+    lines = rest.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("stopping the engine while it loads the model"), rest
+    _, alive = psutil.wait_procs(children, timeout=CTRL_C_BOUND_S)
+    assert not alive, alive
 
 
 def test_chat_keeps_httpx_out_of_the_transcript(demo_dir: Path) -> None:

@@ -20,6 +20,11 @@ within `RESTART_WINDOW_S`; past that, or for a core that never loaded, `on_fatal
 server then exits, for its supervisor to restart it). A core on a thread is not restarted: its
 engine object may be broken.
 
+Stopping a core process that is still loading does not wait for its load: it is sent
+`LOAD_CANCEL_SIGNAL`, which unwinds the load, and is killed if it has not exited
+`LOAD_CANCEL_GRACE_S` later (a load stuck in a call that takes no signal); the state goes STOPPED.
+A core on a thread loads to the end first.
+
 Deltas are merged in one layer, here: the core sends every step's deltas as the engine made them,
 and each `OutputStream` holds what arrived for it until its consumer takes it, merging per
 sequence what piled up (`coalesce`). Only this side can merge for a consumer that fell behind, and
@@ -35,6 +40,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -51,6 +57,7 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.runtime.defaults import DEFAULT_MAX_RESTARTS
 from nanoserve.runtime.deltas import coalesce
 from nanoserve.runtime.engine_core import (
+    LOAD_CANCEL_SIGNAL,
     AbortRequest,
     AddRequest,
     Command,
@@ -69,6 +76,7 @@ from nanoserve.runtime.metrics import LatencyWindow, Metrics
 log = logging.getLogger(__name__)
 
 PROCESS_STOP_TIMEOUT_S = 30.0
+LOAD_CANCEL_GRACE_S = 5.0  # a loading core process has this long to exit after LOAD_CANCEL_SIGNAL
 RESTART_WINDOW_S = 600.0  # restarts counted against `max_restarts`: those this recent
 RESTART_BACKOFF_S = 1.0  # the first restart's delay, doubled for each further one in the window
 MAX_RESTART_BACKOFF_S = 30.0
@@ -126,6 +134,7 @@ class AsyncEngine:
         self._restart_pending = False
         self._stopping = False
         self._stopped: asyncio.Future[None] | None = None  # the one stop's join
+        self._load_cancelled = False  # the stop came while the core process was loading
         self._loader = loader
         self._on_fatal = on_fatal
         self._on_ready = on_ready
@@ -159,7 +168,14 @@ class AsyncEngine:
             return
         if self._stopped is None:
             self._commands.put(None)
-            self._stopped = asyncio.ensure_future(asyncio.to_thread(self._join))
+            timeout = PROCESS_STOP_TIMEOUT_S
+            if self.state is EngineState.LOADING and self._process is not None and self._process.pid is not None:
+                log.info("stopping the engine while it loads the model")
+                self._load_cancelled = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._process.pid, LOAD_CANCEL_SIGNAL)
+                timeout = LOAD_CANCEL_GRACE_S
+            self._stopped = asyncio.ensure_future(asyncio.to_thread(self._join, timeout))
         await asyncio.shield(self._stopped)
 
     def unavailable_reason(self) -> str:
@@ -255,6 +271,8 @@ class AsyncEngine:
 
     def _on_exit(self, exited: Exited) -> None:
         self.state, self.error = exited.state, exited.error
+        if self._load_cancelled:  # a load the stop cut short (the core killed, if it had to be)
+            self.state, self.error = EngineState.STOPPED, None
         reason = EngineUnavailableError(self.unavailable_reason())
         streams, self._streams = set(self._streams.values()), {}
         for stream in streams:
@@ -372,12 +390,14 @@ class AsyncEngine:
         process.join(timeout=PROCESS_STOP_TIMEOUT_S)
         self._post(Exited(EngineState.DEAD, f"the engine process exited with code {process.exitcode}"))
 
-    def _join(self) -> None:
+    def _join(self, timeout: float) -> None:
+        """Waits for the core to exit, `timeout` seconds for a core process, then kills it (SIGKILL:
+        it ignores SIGTERM, see `run_core_process`)."""
         if self._process is not None:
-            self._process.join(timeout=PROCESS_STOP_TIMEOUT_S)
+            self._process.join(timeout=timeout)
             if self._process.is_alive():
-                log.warning("the engine process did not stop in %.0f s; terminating it", PROCESS_STOP_TIMEOUT_S)
-                self._process.terminate()
+                log.warning("the engine process did not stop in %.0f s; killing it", timeout)
+                self._process.kill()
                 self._process.join()
         for thread in self._threads:
             thread.join()
