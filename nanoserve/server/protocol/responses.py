@@ -2,7 +2,8 @@
 
 The same invariants as `protocol.openai`: strict types (a wrong type is a 400 naming the field),
 `null` means the default, unknown top-level fields stay in `model_extra` for `check_request` to
-refuse. Input items are told apart by `type` (a message may leave it out, as the SDK's
+refuse, a nested model's are refused by its validation (`NestedModel`), an input item's by
+`chat_messages`. Input items are told apart by `type` (a message may leave it out, as the SDK's
 `EasyInputMessage` does); an item type nanoserve does not run (web search, computer use, ...) is a
 400 naming the item. Only function tools exist here.
 
@@ -16,25 +17,29 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
+from nanoserve.server.protocol.nested import NestedModel
+
 _CONFIG = ConfigDict(strict=True, extra="allow")
 # The one `include` value honoured: reasoning items carry their text in `encrypted_content` too, for
 # clients that keep no state (`store: false`) and send reasoning back that way. It is not encrypted:
 # nanoserve holds no key, and the text is in the item's `content` already.
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
-_ITEM = ConfigDict(strict=True, extra="allow")
 # Input items keep unknown fields in `model_extra`, where `chat_messages` refuses those that are not
 # null; their schemas say so.
 _INPUT_ITEM = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": {"type": "null"}})
 
 
-class TextPart(BaseModel):
+class TextPart(NestedModel):
     """A content part of an input message: `input_text`, or `output_text` / `refusal` in an
     assistant message sent back; images, files and audio are a 400."""
 
-    model_config = ConfigDict(strict=True, extra="allow")  # output_text parts carry annotations, logprobs
     type: Literal["input_text", "output_text", "refusal"]
     text: str | None = None
     refusal: str | None = None
+    # What an `output_text` part of an earlier response carries, sent back with it (the SDK's
+    # `response.output` appended to the next input): the earlier turn's, changing nothing of this one.
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
     def plain(self) -> str:
         return (self.refusal if self.type == "refusal" else self.text) or ""
@@ -75,8 +80,7 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(p.plain() for p in self.output)
 
 
-class ReasoningText(BaseModel):
-    model_config = _ITEM
+class ReasoningText(NestedModel):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
@@ -109,10 +113,9 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(NestedModel):
     """A Responses function tool: flat, where chat nests the same fields under `function`."""
 
-    model_config = _ITEM
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
@@ -120,16 +123,14 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class NamedFunctionChoice(BaseModel):
-    model_config = _ITEM
+class NamedFunctionChoice(NestedModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(BaseModel):
+class TextFormat(NestedModel):
     """`text.format`: plain text, any JSON object, or JSON valid against `schema`."""
 
-    model_config = _ITEM
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -137,21 +138,18 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextConfig(BaseModel):
-    model_config = _ITEM
+class TextConfig(NestedModel):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ReasoningConfig(BaseModel):
-    model_config = _ITEM
+class ReasoningConfig(NestedModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class StreamOptions(BaseModel):
-    model_config = _ITEM
+class StreamOptions(NestedModel):
     include_obfuscation: bool | None = None  # nanoserve never pads events: nothing to turn off
 
 
