@@ -60,6 +60,8 @@ REFUSED: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
     ("/v1/responses", RESPONSE, {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi",
                                                                          "detail": "high"}]}]},
      "input.0.content.0.detail"),
+    ("/v1/responses", RESPONSE, {"input": [{"type": "function_call", "call_id": "c", "name": "get_time",
+                                            "arguments": "{}", "namespace": "clock"}]}, "input.0.namespace"),
     ("/v1/responses", RESPONSE, {"input": [{"type": "reasoning", "summary": [
         {"type": "summary_text", "text": "hmm", "signature": "s"}]}, {"role": "user", "content": "Hi"}]},
      "input.0.summary.0.signature"),

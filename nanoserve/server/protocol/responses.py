@@ -2,10 +2,10 @@
 
 The same invariants as `protocol.openai`: strict types (a wrong type is a 400 naming the field),
 `null` means the default, unknown top-level fields stay in `model_extra` for `check_request` to
-refuse, a nested model's are refused by its validation (`NestedModel`), an input item's by
-`chat_messages`. Input items are told apart by `type` (a message may leave it out, as the SDK's
-`EasyInputMessage` does); an item type nanoserve does not run (web search, computer use, ...) is a
-400 naming the item. Only function tools exist here.
+refuse, a nested model's (an input item's too) are refused by its validation (`NestedModel`).
+Input items are told apart by `type` (a message may leave it out, as the SDK's `EasyInputMessage`
+does); an item type nanoserve does not run (web search, computer use, ...) is a 400 naming the
+item. Only function tools exist here.
 
 Fields that would change the output and that nanoserve cannot honour are refused by
 `ResponsesRequest.unsupported` (a 400 naming the field), apart from their documented no-op values.
@@ -24,9 +24,6 @@ _CONFIG = ConfigDict(strict=True, extra="allow")
 # clients that keep no state (`store: false`) and send reasoning back that way. It is not encrypted:
 # nanoserve holds no key, and the text is in the item's `content` already.
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
-# Input items keep unknown fields in `model_extra`, where `chat_messages` refuses those that are not
-# null; their schemas say so.
-_INPUT_ITEM = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": {"type": "null"}})
 
 
 class TextPart(NestedModel):
@@ -45,8 +42,7 @@ class TextPart(NestedModel):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
-class MessageItem(BaseModel):
-    model_config = _INPUT_ITEM
+class MessageItem(NestedModel):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
@@ -58,8 +54,7 @@ class MessageItem(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.plain() for p in self.content)
 
 
-class FunctionCallItem(BaseModel):
-    model_config = _INPUT_ITEM
+class FunctionCallItem(NestedModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -68,8 +63,7 @@ class FunctionCallItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = _INPUT_ITEM
+class FunctionCallOutputItem(NestedModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
@@ -85,11 +79,10 @@ class ReasoningText(NestedModel):
     text: str
 
 
-class ReasoningItem(BaseModel):
+class ReasoningItem(NestedModel):
     """A reasoning item of an earlier output, sent back: its text goes to the next assistant
     turn's `reasoning_content` (templates that keep past reasoning read it there)."""
 
-    model_config = _INPUT_ITEM
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
