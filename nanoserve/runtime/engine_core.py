@@ -296,10 +296,10 @@ def run_core_process(args: EngineArgs, commands: Connection, outputs: Connection
     the pipe; while the model loads, `LOAD_CANCEL_SIGNAL` stops the load."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(LOAD_CANCEL_SIGNAL, _cancel_load)
     configure_logging(log_level)
 
-    def load() -> LLMEngine:
+    def load() -> LLMEngine:  # before it, the signal's default action ends the process: nothing to unwind yet
+        signal.signal(LOAD_CANCEL_SIGNAL, _cancel_load)
         try:
             return build_engine(args)
         finally:
