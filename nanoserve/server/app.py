@@ -277,10 +277,10 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
 
 
 def _json(raw: bytes) -> Any:
-    """`raw` as JSON, None if it is not JSON."""
+    """`raw` as JSON, None if it is not JSON (or nested too deep to read)."""
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

@@ -135,3 +135,15 @@ def test_openapi_says_nested_models_take_unknown_fields_only_as_null(server: tup
     lenient = {name: schemas[name].get("additionalProperties") for name in nested
                if schemas[name].get("additionalProperties") != {"type": "null"}}
     assert lenient == {"ChatMessage": True}, lenient
+
+
+def test_a_body_nested_too_deep_is_a_400(server: tuple[str, FastAPI]) -> None:
+    """The path of a bad field is looked up in the body sent; a body too deep for that lookup (or
+    for the parser) is still a 400, and the server serves on."""
+    url, app = server
+    deep = f'{{"model": "{SERVED}", "messages": [{{"role": "user", "content": "Hi"}}], "tools": ' + \
+        "[" * 100_000 + "]" * 100_000 + "}"
+    r = httpx.post(f"{url}/v1/chat/completions", content=deep.encode(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert httpx.get(f"{url}/health").status_code == 200
+    wait_idle(app)
