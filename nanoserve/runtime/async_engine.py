@@ -42,11 +42,13 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -353,7 +355,9 @@ class AsyncEngine:
         outputs_r, outputs_w = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=run_core_process, name="nanoserve-engine-core", daemon=True,
                                     args=(args, commands_r, outputs_w, logging.getLogger().getEffectiveLevel()))
-        self._process.start()
+        resource_tracker.ensure_running()  # started now: its own start would unblock the signals blocked here
+        with _blocked_in_children(signal.SIGINT, signal.SIGTERM):
+            self._process.start()
         commands_r.close()  # the core's ends: only the core may hold them, so that either side's
         outputs_w.close()  # exit is the other's end of file
         self._threads = [
@@ -401,6 +405,21 @@ class AsyncEngine:
                 self._process.join()
         for thread in self._threads:
             thread.join()
+
+
+@contextlib.contextmanager
+def _blocked_in_children(*signals: signal.Signals) -> Iterator[None]:
+    """Blocks `signals` on this thread while a child process starts from it, so that the child
+    starts with them blocked (a signal mask is inherited through fork and exec): a Ctrl-C or
+    SIGTERM to the process group while the engine-core process imports is the front end's alone to
+    act on (`run_core_process` discards and unblocks them; multiprocessing starts its resource
+    tracker the same way). This process loses none: another of its threads takes them meanwhile,
+    or this one once they are unblocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclass(slots=True)

@@ -296,6 +296,7 @@ def run_core_process(args: EngineArgs, commands: Connection, outputs: Connection
     the pipe; while the model loads, `LOAD_CANCEL_SIGNAL` stops the load."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked until now: AsyncEngine
     configure_logging(log_level)
 
     def load() -> LLMEngine:  # before it, the signal's default action ends the process: nothing to unwind yet
