@@ -82,8 +82,7 @@ def _new_id(prefix: str) -> str:
 def chat_messages(items: Sequence[InputItem]) -> list[dict[str, Any]]:
     """Input items as chat messages: consecutive assistant text and function_call items form one
     assistant turn (content, then tool_calls), a reasoning item's text is the next assistant turn's
-    `reasoning_content`. A call whose arguments are not JSON, or an item field that is set and
-    unknown here, is a 400 naming it."""
+    `reasoning_content`. A call whose arguments are not JSON is a 400 naming it."""
     messages: list[dict[str, Any]] = []
     reasoning = ""
 
@@ -96,10 +95,6 @@ def chat_messages(items: Sequence[InputItem]) -> list[dict[str, Any]]:
         return message
 
     for i, item in enumerate(items):
-        unknown = sorted(k for k, v in (item.model_extra or {}).items() if v is not None)
-        if unknown:
-            raise APIError(400, f"unsupported {item.type or 'message'} item field: {unknown[0]}",
-                           param=f"input.{i}.{unknown[0]}", code="unsupported_field")
         if isinstance(item, ReasoningItem):
             reasoning += item.text()
         elif isinstance(item, MessageItem):
