@@ -43,7 +43,7 @@ from nanoserve.runtime.async_engine import EngineError
 from nanoserve.server.chat.output import ChoiceDelta, ChoiceParser, call_id
 from nanoserve.server.chat.tool_parsers.calls import ToolCallDelta
 from nanoserve.server.protocol import sse
-from nanoserve.server.protocol.errors import APIError, invalid_request
+from nanoserve.server.protocol.errors import UNSUPPORTED_FIELD, APIError, invalid_request
 from nanoserve.server.protocol.openai import (
     ChatCompletionRequest,
     ChatMessage,
@@ -349,7 +349,7 @@ async def create_response(serving: Serving, store: ResponseStore, body: Response
     answers with the response object or its event stream; stores it if asked."""
     serving.check_request(body, body.model)
     if (unsupported := body.unsupported()) is not None:
-        raise APIError(400, unsupported[1], param=unsupported[0], code="unsupported_field")
+        raise APIError(400, unsupported[1], param=unsupported[0], code=UNSUPPORTED_FIELD)
     if body.store and store.capacity == 0:
         raise APIError(400, "store is disabled on this server (--responses-store-size 0)", param="store")
     history: list[dict[str, Any]] = []
@@ -438,7 +438,7 @@ def list_input_items(store: ResponseStore, response_id: str, query: dict[str, st
     if entry is None:
         raise APIError(404, f"no stored response with id '{response_id}'", param="response_id", code="not_found")
     if unknown := sorted(set(query) - {"limit", "order", "after"}):
-        raise APIError(400, f"unsupported query parameter: {unknown[0]}", param=unknown[0], code="unsupported_field")
+        raise APIError(400, f"unsupported query parameter: {unknown[0]}", param=unknown[0], code=UNSUPPORTED_FIELD)
     limit = query.get("limit", "20")
     if not limit.isdigit() or not 1 <= int(limit) <= 100:
         raise APIError(400, "limit must be an integer from 1 to 100", param="limit")
