@@ -422,3 +422,32 @@ def test_a_q4_k_m_file_quantized_by_llama_cpp(tmp_path, demo_dir, one_torch_thre
     scale = reference.abs().max().item()
     for other in (reference, theirs):
         assert ((ours - other).abs().amax(dim=-1) < 0.03 * scale).sum().item() >= len(prompt) - 2
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-e8k2", "mixtral-e4k2"])
+def test_transformers_fused_expert_layout(checkpoints, tmp_path, name):
+    """A checkpoint saved in transformers' own fused layout (`save_original_format=False`:
+    `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I], `mlp.gate.weight`,
+    Mixtral's too) loads to the same weights as the per-expert one, and exports to the same GGUF
+    tensors."""
+    import transformers
+    from safetensors import safe_open
+
+    fused = tmp_path / "fused"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
+    hf.save_pretrained(fused, save_original_format=False)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoints[name] / file, fused / file)
+    with safe_open(fused / "model.safetensors", "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in set(f.keys())
+    ours = load_model(fused, dtype=torch.float32).model
+    theirs = load_model(checkpoints[name], dtype=torch.float32).model
+    for (key, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+        assert torch.equal(a, b), key
+    from nanoserve.model.checkpoint.gguf_reader import read_gguf
+
+    files = [read_gguf(export_gguf(folder, tmp_path / f"{i}.gguf"))
+             for i, folder in enumerate((fused, checkpoints[name]))]
+    tensors = [{t.name: t.data for t in f.tensors} for f in files]
+    assert tensors[0].keys() == tensors[1].keys()
+    assert all((tensors[0][k] == tensors[1][k]).all() for k in tensors[0])

@@ -44,6 +44,7 @@ from nanoserve.model.checkpoint.gguf_reader import (
     permute_rotary,
 )
 from nanoserve.model.checkpoint.loader import iter_safetensors, safetensors_files
+from nanoserve.model.checkpoint.weights import per_expert
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch
 from nanoserve.tokenizer.pre_tokenizers import GPT2_REGEX, PRE_TOKENIZERS, canonical_name, run_as
@@ -199,7 +200,8 @@ def _gguf_tensors(
         yield ROPE_FACTORS_SHORT, torch.tensor(cfg.rope_scaling.short_factor, dtype=torch.float32)
     heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
     experts: dict[str, dict[int, torch.Tensor]] = {}  # a stacked tensor's experts read so far
-    for stored_name, tensor in iter_safetensors(safetensors_files(folder)):
+    for stored_name, tensor in per_expert(family, iter_safetensors(safetensors_files(folder))):
+        assert isinstance(tensor, torch.Tensor)  # safetensors hold no GGUF blocks
         hf_name = family.causal_name(stored_name)
         tied_head = cfg.tie_word_embeddings and hf_name == "lm_head.weight"
         if tied_head or hf_name.endswith("rotary_emb.inv_freq"):

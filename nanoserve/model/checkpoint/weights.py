@@ -2,7 +2,8 @@
 family declares (`nanoserve.model.families`).
 
 q/k/v projections land in row slices of `qkv_proj`, gate/up in row slices of `gate_up_proj`, and
-each expert's matrix of a mixture of experts in its rows of the stacked expert matrix. Each
+each expert's matrix of a mixture of experts in its rows of the stacked expert matrix (transformers'
+fused expert tensors are first cut into per-expert ones: `per_expert`). Each
 destination is a `WeightDestination`: a tensor (norms, biases) or a `LinearWeight` or a slice of its
 rows, which stores the checkpoint's dense rows in its own format.
 Invariant after `load_weights` returns: every parameter slice was written exactly by the
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from nanoserve.model.quant.weight_formats import LinearWeight, WeightDestination
 log = logging.getLogger(__name__)
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# transformers' fused expert layout: its MoE models' own parameter names, which
+# `save_pretrained(save_original_format=False)` writes (per-expert tensors are its default).
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.)mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
 
 
 class MissingWeightsError(ValueError):
@@ -120,6 +124,32 @@ def expected_shapes(model: CausalLM, family: Family) -> dict[str, tuple[int, ...
     return shapes | {t.hf: s for t in family.global_tensors[1:] if (s := shape(model, t)) is not None}
 
 
+def per_expert(family: Family, tensors: Iterable[tuple[str, torch.Tensor | QuantizedRows]]
+               ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+    """The tensors, with transformers' fused expert layout (`mlp.experts.gate_up_proj` [E, 2I, H],
+    gate rows first within each expert, `mlp.experts.down_proj` [E, H, I], the router
+    `mlp.gate.weight`) given as the family's own per-expert tensors (views); every other tensor
+    as it is."""
+    for name, tensor in tensors:
+        m = _FUSED_EXPERTS.match(name)
+        if m is None or family.moe is None or family.tensor_by_hf(name) is not None or not isinstance(
+                tensor, torch.Tensor):
+            yield name, tensor
+            continue
+        prefix, kind = m.groups()
+        hf = {t.param: t.hf for t in family.layer_tensors}
+        if kind == "gate.weight":
+            yield prefix + hf["mlp.router"], tensor
+        elif kind == "experts.down_proj":
+            for e in range(tensor.shape[0]):
+                yield prefix + hf["mlp.down_exps"].format(e=e), tensor[e]
+        else:
+            inter = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield prefix + hf["mlp.gate_exps"].format(e=e), tensor[e, :inter]
+                yield prefix + hf["mlp.up_exps"].format(e=e), tensor[e, inter:]
+
+
 @torch.no_grad()
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedRows]], family: Family) -> None:
     """Copies checkpoint tensors (Hugging Face names of `family`) into the model: each destination
@@ -127,7 +157,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
     `QuantizedRows` of its own block format as they are; a dense destination dequantizes them."""
     seen: set[str] = set()
     not_text = 0
-    for given, tensor in tensors:
+    for given, tensor in per_expert(family, tensors):
         name = _hf_name(family, given)
         ref = family.tensor_by_hf(name)
         dest = _target(model, family, name)
