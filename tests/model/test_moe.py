@@ -6,7 +6,8 @@ oracle; and what is refused.
 Each configuration's 32 greedy tokens are transformers' and every step's top five logprobs within
 1e-4 of its log-softmax, for three prompts sharing a prefix run together on a pool too small for
 all three (preemption), with a token budget below a prompt's length (chunked prefill) and the
-prefix cache on.
+prefix cache on. Heads of 32 values, a size the C++ attention kernel takes (the torch backend it
+hands other sizes to is not batch invariant).
 """
 
 from __future__ import annotations
@@ -36,18 +37,19 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # layer 1 a dense MLP (mlp_only_layers), top-k renormalised
     "qwen3moe-e4k2-norm-dense-layer": ("Qwen3Moe", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=96, norm_topk_prob=True,
-        mlp_only_layers=[1], head_dim=16, num_key_value_heads=2)),
+        mlp_only_layers=[1], head_dim=32, num_key_value_heads=2)),
     # not renormalised, which llama.cpp's qwen3moe always does: the file says so in a key only nanoserve reads
     "qwen3moe-e8k2": ("Qwen3Moe", dict(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, head_dim=32,
         num_key_value_heads=2)),
     "qwen3moe-e8k4-norm": ("Qwen3Moe", dict(
-        num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16,
+        num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32,
         num_key_value_heads=4)),
-    "mixtral-e4k2": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+    "mixtral-e4k2": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, head_dim=32,
                                      num_key_value_heads=1)),
     # as many KV heads as heads: llama.cpp's olmoe reads no other
-    "olmoe-e8k3": ("Olmoe", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32, num_key_value_heads=4)),
+    "olmoe-e8k3": ("Olmoe", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32, num_attention_heads=2,
+                                 num_key_value_heads=2)),
 }
 WHOLE_MOE = [name for name in CONFIGS if "dense-layer" not in name]  # what llama.cpp's architectures hold
 LLAMA_CPP_RULE = [name for name in WHOLE_MOE if name != "qwen3moe-e8k2"]  # renormalised as llama.cpp does
@@ -63,10 +65,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> dic
     tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
     paths = {}
     for name, (prefix, fields) in CONFIGS.items():
-        cfg = getattr(transformers, f"{prefix}Config")(
-            vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None, pad_token_id=None,
-            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), **fields)
+        cfg = getattr(transformers, f"{prefix}Config")(**{
+            "vocab_size": len(tok), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "bos_token_id": None, "pad_token_id": None,
+            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"), **fields})
         torch.manual_seed(7)
         model = getattr(transformers, f"{prefix}ForCausalLM")(cfg).eval()
         with torch.no_grad():
@@ -154,8 +156,8 @@ def test_matches_transformers_through_gguf(checkpoints, references, tmp_path, na
 def test_q8_0_experts_against_their_dequantized_selves(checkpoints, tmp_path, name, one_torch_thread):
     """A Q8_0 file keeps its experts as q8_0 blocks (the router F32 in the file, dense here); its
     logits are close to, not equal to, those of the same file dequantized at load (the reference
-    mode: no product quantizes its activations), and through the engine a batch of prompts gets
-    each prompt's tokens alone."""
+    mode: no product quantizes its activations; but at a router's near-tie), and through the engine, in fp32 and bf16, a batch
+    of prompts gets each prompt's tokens and logprobs alone, bit for bit (batch invariance)."""
     path = export_gguf(checkpoints[name], tmp_path / "q8.gguf", "Q8_0")
     kept = load_model(path, dtype=torch.float32)
     dense = load_model(path, dtype=torch.float32, quantization="dense")
@@ -170,11 +172,14 @@ def test_q8_0_experts_against_their_dequantized_selves(checkpoints, tmp_path, na
     chunks = [[p[:17], p[17:], *[[t] for t in range(3, 9)]] for p in prompts]
     got, want = torch.cat(forward_chunks(kept, chunks)), torch.cat(forward_chunks(dense, chunks))
     assert not torch.equal(got, want)
-    assert torch.allclose(got, want, atol=0.05 * want.abs().max().item())
-    llm = _llm(path)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    together = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
-    assert together == [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+    _close_but_for_router_ties(got, want, len(got) // 20)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(path), dtype=dtype, block_size=4, max_num_batched_tokens=16, max_model_len=128,
+                  num_kv_blocks=80, enable_prefix_caching=False)
+        together = [r.outputs[0] for r in llm.generate(prompts, params)]
+        alone = [llm.generate(p, params)[0].outputs[0] for p in prompts]
+        assert [(o.token_ids, o.top_logprobs) for o in together] == [(o.token_ids, o.top_logprobs) for o in alone]
 
 
 def test_a_renormalisation_llama_cpp_does_not_read_is_kept_in_the_file(checkpoints, tmp_path):
@@ -206,6 +211,14 @@ def test_llama_cpp_reads_our_files(checkpoints, tmp_path, name, one_torch_thread
         ref = hf(torch.tensor([prompt])).logits[0]
     assert (theirs - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
     assert torch.equal(theirs.argmax(-1), ref.argmax(-1))
+
+
+def _close_but_for_router_ties(got: torch.Tensor, want: torch.Tensor, ties: int) -> None:
+    """Logits [positions, vocab] within 3% of the largest of `want` at every position but at most
+    `ties`: where a router's top-k sits at a near-tie, quantized activations (on either side) may
+    pick another expert, which moves that position's logits further."""
+    far = (got - want).abs().amax(dim=-1) >= 0.03 * want.abs().max().item()
+    assert far.sum().item() <= ties, far.nonzero().flatten().tolist()
 
 
 def _random_blocks(fmt: str, rows: int, in_features: int, g: torch.Generator) -> BlockQuantWeight:
@@ -417,11 +430,8 @@ def test_a_q4_k_m_file_quantized_by_llama_cpp(tmp_path, demo_dir, one_torch_thre
     llm = llama_cpp.Llama(str(q4), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
     llm.eval(prompt)
     theirs = torch.tensor(llm.scores[:len(prompt)])
-    # A router's near-tie may pick another expert under quantized activations (on either side),
-    # which moves that position's logits further: all positions but two within 3% of the largest logit.
-    scale = reference.abs().max().item()
     for other in (reference, theirs):
-        assert ((ours - other).abs().amax(dim=-1) < 0.03 * scale).sum().item() >= len(prompt) - 2
+        _close_but_for_router_ties(ours, other, 2)
 
 
 @pytest.mark.parametrize("name", ["qwen3moe-e8k2", "mixtral-e4k2"])
