@@ -156,8 +156,9 @@ def test_matches_transformers_through_gguf(checkpoints, references, tmp_path, na
 def test_q8_0_experts_against_their_dequantized_selves(checkpoints, tmp_path, name, one_torch_thread):
     """A Q8_0 file keeps its experts as q8_0 blocks (the router F32 in the file, dense here); its
     logits are close to, not equal to, those of the same file dequantized at load (the reference
-    mode: no product quantizes its activations; but at a router's near-tie), and through the engine, in fp32 and bf16, a batch
-    of prompts gets each prompt's tokens and logprobs alone, bit for bit (batch invariance)."""
+    mode: no product quantizes its activations), but at a router's near-tie; and through the
+    engine, in fp32 and bf16, a batch of prompts gets each prompt's tokens and logprobs alone, bit
+    for bit (batch invariance)."""
     path = export_gguf(checkpoints[name], tmp_path / "q8.gguf", "Q8_0")
     kept = load_model(path, dtype=torch.float32)
     dense = load_model(path, dtype=torch.float32, quantization="dense")
@@ -461,3 +462,17 @@ def test_transformers_fused_expert_layout(checkpoints, tmp_path, name):
     tensors = [{t.name: t.data for t in f.tensors} for f in files]
     assert tensors[0].keys() == tensors[1].keys()
     assert all((tensors[0][k] == tensors[1][k]).all() for k in tensors[0])
+
+
+def test_int8_quantizes_experts_and_dense_mlps_at_load(checkpoints):
+    """`--quantization int8` on a safetensors checkpoint: the experts of the MoE layer and the dense
+    MLP of the other are q8_0, the router dense; the loaded matrices are the checkpoint's quantized."""
+    path = checkpoints["qwen3moe-e4k2-norm-dense-layer"]
+    quantized = load_model(path, dtype=torch.float32, quantization="int8").model
+    dense = load_model(path, dtype=torch.float32).model
+    moe, mlp = quantized.layers[0].mlp, quantized.layers[1].dense_mlp
+    assert isinstance(moe, SparseMoE) and isinstance(moe.router, DenseWeight)
+    for ours, theirs in ((moe.gate_exps, dense.layers[0].mlp.gate_exps), (moe.down_exps, dense.layers[0].mlp.down_exps),
+                         (mlp.gate_up_proj, dense.layers[1].dense_mlp.gate_up_proj)):
+        assert isinstance(ours, BlockQuantWeight) and ours.format == "q8_0" and isinstance(theirs, DenseWeight)
+        assert torch.equal(ours.blocks, quantize(theirs.weight, "q8_0"))

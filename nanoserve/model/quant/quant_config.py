@@ -26,16 +26,16 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.model.families import Family
+from nanoserve.model.families import MOE_TENSORS, Family
+from nanoserve.model.families.family import DENSE_MLP_PARAMS
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight
 from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight
 
 DENSE = "dense"
 # The matrices of a decoder layer (`--quantization` quantizes these; norms, biases and an MoE
 # layer's router stay dense): a dense MLP's, or a mixture of experts' stacked expert matrices.
-DENSE_MLP_MATRICES = ("mlp.gate_up_proj", "mlp.down_proj")
-EXPERT_MATRICES = ("mlp.gate_exps", "mlp.up_exps", "mlp.down_exps")
-LAYER_MATRICES = ("self_attn.qkv_proj", "self_attn.o_proj", *DENSE_MLP_MATRICES, *EXPERT_MATRICES)
+EXPERT_MATRICES = tuple(t.param for t in MOE_TENSORS if t.experts)
+LAYER_MATRICES = ("self_attn.qkv_proj", "self_attn.o_proj", *DENSE_MLP_PARAMS, *EXPERT_MATRICES)
 
 
 class WeightKey(NamedTuple):
@@ -74,7 +74,7 @@ class QuantConfig:
         matrices in `moe_layers`, the dense MLP's in the others); the embedding, LM head, norms,
         biases and routers dense."""
         def in_layer(param: str, layer: int) -> bool:
-            return param not in (*DENSE_MLP_MATRICES, *EXPERT_MATRICES) or (param in EXPERT_MATRICES) == (
+            return param not in (*DENSE_MLP_PARAMS, *EXPERT_MATRICES) or (param in EXPERT_MATRICES) == (
                 layer in moe_layers)
 
         return cls(MappingProxyType({
