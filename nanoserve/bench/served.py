@@ -13,6 +13,9 @@ Points. Concurrency C runs `num_prompts` requests (default 2 C, at least 4) of `
 (prompt, output) tokens unless lengths are given. Prompt ids are drawn from the file's NORMAL
 tokens (no control or padding ids), the same for every server; every point has fresh prompts.
 
+Several nanoserve servers may run side by side, each a label with its own source tree and extra
+`serve` flags (the code before and after a change, or two settings), alternated like the others.
+
 Models: `SHAPE:FORMAT` (a `--model-shape` preset's random weights, quantized by llama.cpp:
 `bench.quant.quant_files`), a catalogue name (`registry_models`), or a path to a GGUF file.
 Random-weight files decode padding ids to empty text, which llama-server still streams one chunk
@@ -73,6 +76,7 @@ class ServedConfig:
     seed: int = 0
     port: int = 18480
     nanoserve_trees: dict[str, Path] = field(default_factory=lambda: {NANOSERVE: Path(__file__).parents[2]})
+    nanoserve_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)  # label -> extra `serve` flags
     servers: tuple[str, ...] = (NANOSERVE, LLAMA_SERVER)
     roofline: bool = True
 
@@ -80,6 +84,9 @@ class ServedConfig:
         unknown = [s for s in self.servers if s != LLAMA_SERVER and s not in self.nanoserve_trees]
         if unknown or not self.servers:
             raise ValueError(f"unknown server(s) {unknown}: use {LLAMA_SERVER} or a nanoserve tree's label")
+        stray = sorted(set(self.nanoserve_flags) - set(self.nanoserve_trees))
+        if stray:
+            raise ValueError(f"--nanoserve-flags for {stray}, which name no nanoserve tree")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError("--max-concurrency values must be at least 1")
         missing = [c for c in self.concurrency if c not in POINTS]
@@ -184,7 +191,7 @@ def _server_argv(cfg: ServedConfig, label: str, gguf: Path, port: int,
     env = {**os.environ, "PYTHONPATH": str(tree)}
     argv = [sys.executable, "-m", "nanoserve.cli", "--log-level", "WARNING", "serve", str(gguf), "--host", "127.0.0.1",
             "--port", str(port), "--threads", str(cfg.threads), "--max-num-seqs", str(slots),
-            "--max-model-len", str(cfg.slot_context)]
+            "--max-model-len", str(cfg.slot_context), *cfg.nanoserve_flags.get(label, ())]
     return argv, env
 
 
@@ -246,8 +253,7 @@ class ServedReport:
     points: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        cfg = {k: (v if k != "nanoserve_trees" else {n: str(p) for n, p in v.items()})
-               for k, v in asdict(self.config).items()}
+        cfg = {**asdict(self.config), "nanoserve_trees": {n: str(p) for n, p in self.config.nanoserve_trees.items()}}
         return {"config": cfg, "machine": self.machine, "roofline": self.roofline, "files": self.files,
                 "points": self.points}
 

@@ -12,6 +12,9 @@ import dataclasses
 import json
 import math
 import os
+import shlex
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -240,13 +243,17 @@ def _register_serve(kinds: argparse._SubParsersAction) -> None:
     from nanoserve.bench.served import MODELS
 
     w = v.add_argument_group("serving peer (--peer): the servers started here, side by side")
-    w.add_argument("--peer", choices=["llama-server"],
-                   help="start nanoserve and this server on each of --models and drive both with the same client")
+    w.add_argument("--peer", choices=["llama-server", "none"],
+                   help="start nanoserve and this server on each of --models and drive both with the same client "
+                        "(none: the nanoserve servers only)")
     w.add_argument("--models", nargs="+", default=list(MODELS), metavar="MODEL",
                    help="GGUF files to serve: SHAPE:FORMAT (random weights), a catalogue name or a .gguf path")
     w.add_argument("--nanoserve-tree", nargs="+", default=[], metavar="LABEL=PATH",
                    help="run nanoserve from these source trees under these labels (default: this one, as "
                         "'nanoserve'); several alternate, to measure a change against the code before it")
+    w.add_argument("--nanoserve-flags", nargs="+", default=[], metavar="LABEL=FLAGS",
+                   help="extra `nanoserve serve` flags of a --nanoserve-tree label, e.g. 'shared=--prefill-order "
+                        "shared'")
     w.add_argument("--port", type=int, default=18480, help="the first loopback port of the servers")
     w.add_argument("--server-logs", type=Path, metavar="DIR", help="keep the servers' logs there")
     v.set_defaults(func=run_serve, model=None)
@@ -342,9 +349,10 @@ def _serving_roofline(ns: argparse.Namespace, model_dir: str, runs: list[dict[st
 
 
 # `bench serve` flags that --peer honours; every other one must keep its default there.
-_PEER_FLAGS = {"peer", "models", "nanoserve_tree", "port", "server_logs", "num_prompts", "max_concurrency",
-               "input_len_range", "output_len_range", "seed", "threads", "roofline", "json", "plot_throughput"}
-_PEER_ONLY = {"models", "nanoserve_tree", "port", "server_logs"}
+_PEER_FLAGS = {"peer", "models", "nanoserve_tree", "nanoserve_flags", "port", "server_logs", "num_prompts",
+               "max_concurrency", "input_len_range", "output_len_range", "seed", "threads", "roofline", "json",
+               "plot_throughput"}
+_PEER_ONLY = {"models", "nanoserve_tree", "nanoserve_flags", "port", "server_logs"}
 
 
 def _flags_off_default(ns: argparse.Namespace, parser_defaults: dict[str, Any], names: set[str]) -> list[str]:
@@ -379,9 +387,8 @@ def build_serve_defaults() -> dict[str, Any]:
 def _run_served(ns: argparse.Namespace) -> int:
     from nanoserve.bench.served import LLAMA_SERVER, ServedConfig, run_served
 
-    trees = dict(item.partition("=")[::2] for item in ns.nanoserve_tree)
-    if any(not label or not path for label, path in trees.items()):
-        raise ValueError("--nanoserve-tree needs LABEL=PATH")
+    trees, flags = _labelled(ns.nanoserve_tree, "--nanoserve-tree", "PATH"), \
+        _labelled(ns.nanoserve_flags, "--nanoserve-flags", "FLAGS")
     lengths = None
     if ns.input_len_range or ns.output_len_range:
         ins, outs = ns.input_len_range or (0, 1), ns.output_len_range or (0, 1)
@@ -389,13 +396,20 @@ def _run_served(ns: argparse.Namespace) -> int:
             raise ValueError("with --peer, give both --input-len-range and --output-len-range, each with MIN = MAX")
         lengths = (ins[0], outs[0])
     concurrency = tuple(c for c in ns.max_concurrency if c is not None)
-    trees_paths = {label: Path(path) for label, path in trees.items()} or None
+    default = ServedConfig()
+    paths = {label: Path(path) for label, path in trees.items()} or dict(default.nanoserve_trees)
     cfg = ServedConfig(
-        models=tuple(ns.models), concurrency=concurrency or ServedConfig().concurrency,
+        models=tuple(ns.models), concurrency=concurrency or default.concurrency,
         num_prompts=tuple(ns.num_prompts or ()), lengths=lengths, threads=ns.threads or 2, seed=ns.seed,
-        port=ns.port, roofline=ns.roofline,
-        **({"nanoserve_trees": trees_paths, "servers": (*trees_paths, LLAMA_SERVER)} if trees_paths else {}))
-    report = run_served(cfg, ns.server_logs)
+        port=ns.port, roofline=ns.roofline, nanoserve_trees=paths,
+        nanoserve_flags={label: tuple(shlex.split(f)) for label, f in flags.items()},
+        servers=(*paths, *([LLAMA_SERVER] if ns.peer == LLAMA_SERVER else [])))
+    # A terminated run still stops the servers it started (SIGTERM as SystemExit, through `finally`).
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        report = run_served(cfg, ns.server_logs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print()
     print(report.format())
     _write_json(ns.json, report.to_dict())
@@ -403,6 +417,14 @@ def _run_served(ns: argparse.Namespace) -> int:
         report.plot(ns.plot_throughput)
         print(f"plot: {ns.plot_throughput}")
     return 0
+
+
+def _labelled(items: list[str], flag: str, what: str) -> dict[str, str]:
+    """LABEL=VALUE items as a dict; ValueError naming `flag` for one without a label or value."""
+    pairs = [item.partition("=") for item in items]
+    if any(not label or not sep or not value for label, sep, value in pairs):
+        raise ValueError(f"{flag} needs LABEL={what}")
+    return {label: value for label, _, value in pairs}
 
 
 def _run_load_test(ns: argparse.Namespace) -> int:
