@@ -94,6 +94,10 @@ def test_flags_the_peer_run_does_not_honour_are_errors(capsys: pytest.CaptureFix
     assert "--models only apply with --peer" in capsys.readouterr().err
     assert main(["bench", "serve"]) == 2
     assert "give --url" in capsys.readouterr().err
+    assert main(["bench", "serve", "--peer", "none", "--nanoserve-flags", "b=--prefill-order shared"]) == 2
+    assert "--nanoserve-flags for ['b'], which name no nanoserve tree" in capsys.readouterr().err
+    assert main(["bench", "serve", "--peer", "none", "--nanoserve-tree", "a"]) == 2
+    assert "--nanoserve-tree needs LABEL=PATH" in capsys.readouterr().err
 
 
 @pytest.mark.peers
