@@ -9,8 +9,10 @@ conversations the rate is of conversation starts and each later turn is sent whe
 reply has arrived. One short request warms the server up before the clock starts.
 
 Measured per request, on the client's clock:
-- TTFT: from sending to the first chunk that carries text;
-- ITL: the gaps between successive text chunks;
+- TTFT: from sending to the first chunk that carries text (with `every_chunk`, the first chunk
+  with a choice that does not finish it: a server that streams one chunk per token, even a token
+  whose text is empty, as llama-server does for a random-weight model's padding ids);
+- ITL: the gaps between successive such chunks;
 - TPOT: (E2E - TTFT) / (output tokens - 1);
 - E2E: from sending to the end of the stream;
 - prompt, output and cached prompt tokens from the server's usage (else counted locally).
@@ -50,6 +52,7 @@ class LoadConfig:
     seed: int = 0
     api_key: str | None = None
     timeout_s: float = 1800.0
+    every_chunk: bool = False  # time every token chunk, not only those with text (see above)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -119,6 +122,8 @@ def _body(cfg: LoadConfig, model: str, conv: Conversation, turn: int, replies: l
                             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if cfg.endpoint == "chat":
         body["messages"] = conv.messages(turn, replies)
+    elif conv.prompt_ids is not None:
+        body["prompt"] = list(conv.prompt_ids)
     else:
         body["prompt"] = conv.prompt(turn, replies)
     return body
@@ -148,7 +153,7 @@ async def send(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any],
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
                     piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                    if piece:
+                    if piece or (cfg.every_chunk and piece is not None and choice.get("finish_reason") is None):
                         now = time.perf_counter()
                         if pieces:
                             res.itl.append(now - last)

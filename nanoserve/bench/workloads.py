@@ -54,12 +54,15 @@ class Workload:
 @dataclass(frozen=True, slots=True)
 class Conversation:
     """`user_turns[i]` is answered with exactly `output_lens[i]` tokens (ignore_eos); `system`, if
-    set, opens the conversation. `prefix_id` names the shared system prompt (shared-prefix only)."""
+    set, opens the conversation. `prefix_id` names the shared system prompt (shared-prefix only).
+    `prompt_ids`, if set, is a single-turn completions prompt sent as token ids instead of text
+    (`user_turns` then holds its description for the record)."""
 
     user_turns: tuple[str, ...]
     output_lens: tuple[int, ...]
     system: str | None = None
     prefix_id: int | None = None
+    prompt_ids: tuple[int, ...] | None = None
 
     def messages(self, turn: int, replies: list[str]) -> list[dict[str, Any]]:
         """Chat messages of user turn `turn`, given the assistant's replies to the earlier turns."""

@@ -12,6 +12,9 @@ import dataclasses
 import json
 import math
 import os
+import shlex
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -196,20 +199,25 @@ def _register_serve(kinds: argparse._SubParsersAction) -> None:
                          description="Streams synthetic requests to a running server at a fixed concurrency or "
                                      "a Poisson request rate and reports throughput and TTFT/TPOT/ITL/E2E "
                                      "latencies. Several values of --max-concurrency or --request-rate make a "
-                                     "sweep; several --url values run the same workload against each server.")
-    v.add_argument("--url", nargs="+", required=True, help="base URL(s) of the server(s), e.g. http://127.0.0.1:8000")
+                                     "sweep; several --url values run the same workload against each server. "
+                                     "With --peer llama-server it starts nanoserve and llama-server itself on each "
+                                     "of --models and compares them (nanoserve.bench.served).")
+    v.add_argument("--url", nargs="+", help="base URL(s) of the server(s), e.g. http://127.0.0.1:8000 (required "
+                                            "without --peer)")
     v.add_argument("--label", nargs="+", help="a name per URL for the tables (default: the URL)")
     v.add_argument("--served-model-name", help="the model name to send (default: the first /v1/models lists)")
     v.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"), help="sent as a Bearer token")
     v.add_argument("--endpoint", choices=["completions", "chat"], default=None,
                    help="completions (default) or chat (the default for multi-turn)")
     v.add_argument("--workload", choices=WORKLOADS, default="random")
-    v.add_argument("--num-prompts", type=int, nargs="+", default=[64], metavar="N",
-                   help="requests (multi-turn: conversations); one value, or one per --max-concurrency")
-    v.add_argument("--input-len-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
-                   help="prompt tokens (shared-prefix: question tokens; multi-turn: per user turn)")
-    v.add_argument("--output-len-range", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
-                   help="output tokens per request")
+    v.add_argument("--num-prompts", type=int, nargs="+", metavar="N",
+                   help="requests (multi-turn: conversations); one value, or one per --max-concurrency "
+                        "(default: 64; with --peer: 2 C, at least 4)")
+    v.add_argument("--input-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="prompt tokens (shared-prefix: question tokens; multi-turn: per user turn) (default: 32 "
+                        "256; with --peer: per concurrency as in nanoserve.bench.served.POINTS, or MIN = MAX)")
+    v.add_argument("--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="output tokens per request (default: 32 256; with --peer: as --input-len-range)")
     v.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: tokens per system prompt")
     v.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: K system prompts")
     v.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
@@ -232,6 +240,22 @@ def _register_serve(kinds: argparse._SubParsersAction) -> None:
     v.add_argument("--plot-ttft", type=Path, metavar="PNG", help="plot median TTFT against request rate")
     _add_shape_args(v)
     _add_peer_args(v)
+    from nanoserve.bench.served import MODELS
+
+    w = v.add_argument_group("serving peer (--peer): the servers started here, side by side")
+    w.add_argument("--peer", choices=["llama-server", "none"],
+                   help="start nanoserve and this server on each of --models and drive both with the same client "
+                        "(none: the nanoserve servers only)")
+    w.add_argument("--models", nargs="+", default=list(MODELS), metavar="MODEL",
+                   help="GGUF files to serve: SHAPE:FORMAT (random weights), a catalogue name or a .gguf path")
+    w.add_argument("--nanoserve-tree", nargs="+", default=[], metavar="LABEL=PATH",
+                   help="run nanoserve from these source trees under these labels (default: this one, as "
+                        "'nanoserve'); several alternate, to measure a change against the code before it")
+    w.add_argument("--nanoserve-flags", nargs="+", default=[], metavar="LABEL=FLAGS",
+                   help="extra `nanoserve serve` flags of a --nanoserve-tree label, e.g. 'shared=--prefill-order "
+                        "shared'")
+    w.add_argument("--port", type=int, default=18480, help="the first loopback port of the servers")
+    w.add_argument("--server-logs", type=Path, metavar="DIR", help="keep the servers' logs there")
     v.set_defaults(func=run_serve, model=None)
 
 
@@ -324,7 +348,86 @@ def _serving_roofline(ns: argparse.Namespace, model_dir: str, runs: list[dict[st
     return {**report.roofline.to_dict(), "decode_params": report.params, "weight_bytes": report.weight_bytes}
 
 
+# `bench serve` flags that --peer honours; every other one must keep its default there.
+_PEER_FLAGS = {"peer", "models", "nanoserve_tree", "nanoserve_flags", "port", "server_logs", "num_prompts",
+               "max_concurrency", "input_len_range", "output_len_range", "seed", "threads", "roofline", "json",
+               "plot_throughput"}
+_PEER_ONLY = {"models", "nanoserve_tree", "nanoserve_flags", "port", "server_logs"}
+
+
+def _flags_off_default(ns: argparse.Namespace, parser_defaults: dict[str, Any], names: set[str]) -> list[str]:
+    return ["--" + k.replace("_", "-") for k in sorted(names) if getattr(ns, k) != parser_defaults[k]]
+
+
 def run_serve(ns: argparse.Namespace) -> int:
+    defaults = build_serve_defaults()
+    if ns.peer is not None:
+        unused = _flags_off_default(ns, defaults, set(defaults) - _PEER_FLAGS)
+        if unused:
+            raise ValueError(f"{', '.join(unused)} not used with --peer (it starts its own servers)")
+        return _run_served(ns)
+    unused = _flags_off_default(ns, defaults, _PEER_ONLY)
+    if unused:
+        raise ValueError(f"{', '.join(unused)} only apply with --peer")
+    if not ns.url:
+        raise ValueError("give --url (a running server), or --peer llama-server")
+    ns.num_prompts = ns.num_prompts or [64]
+    ns.input_len_range, ns.output_len_range = ns.input_len_range or (32, 256), ns.output_len_range or (32, 256)
+    return _run_load_test(ns)
+
+
+def build_serve_defaults() -> dict[str, Any]:
+    """The defaults of every `bench serve` flag, from a parser built here."""
+    parser = argparse.ArgumentParser()
+    _register_serve(parser.add_subparsers())
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    return {a.dest: a.default for a in serve._actions if a.dest not in ("help",)}
+
+
+def _run_served(ns: argparse.Namespace) -> int:
+    from nanoserve.bench.served import LLAMA_SERVER, ServedConfig, run_served
+
+    trees, flags = _labelled(ns.nanoserve_tree, "--nanoserve-tree", "PATH"), \
+        _labelled(ns.nanoserve_flags, "--nanoserve-flags", "FLAGS")
+    lengths = None
+    if ns.input_len_range or ns.output_len_range:
+        ins, outs = ns.input_len_range or (0, 1), ns.output_len_range or (0, 1)
+        if ns.input_len_range is None or ns.output_len_range is None or ins[0] != ins[1] or outs[0] != outs[1]:
+            raise ValueError("with --peer, give both --input-len-range and --output-len-range, each with MIN = MAX")
+        lengths = (ins[0], outs[0])
+    concurrency = tuple(c for c in ns.max_concurrency if c is not None)
+    default = ServedConfig()
+    paths = {label: Path(path) for label, path in trees.items()} or dict(default.nanoserve_trees)
+    cfg = ServedConfig(
+        models=tuple(ns.models), concurrency=concurrency or default.concurrency,
+        num_prompts=tuple(ns.num_prompts or ()), lengths=lengths, threads=ns.threads or 2, seed=ns.seed,
+        port=ns.port, roofline=ns.roofline, nanoserve_trees=paths,
+        nanoserve_flags={label: tuple(shlex.split(f)) for label, f in flags.items()},
+        servers=(*paths, *([LLAMA_SERVER] if ns.peer == LLAMA_SERVER else [])))
+    # A terminated run still stops the servers it started (SIGTERM as SystemExit, through `finally`).
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        report = run_served(cfg, ns.server_logs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print()
+    print(report.format())
+    _write_json(ns.json, report.to_dict())
+    if ns.plot_throughput:
+        report.plot(ns.plot_throughput)
+        print(f"plot: {ns.plot_throughput}")
+    return 0
+
+
+def _labelled(items: list[str], flag: str, what: str) -> dict[str, str]:
+    """LABEL=VALUE items as a dict; ValueError naming `flag` for one without a label or value."""
+    pairs = [item.partition("=") for item in items]
+    if any(not label or not sep or not value for label, sep, value in pairs):
+        raise ValueError(f"{flag} needs LABEL={what}")
+    return {label: value for label, _, value in pairs}
+
+
+def _run_load_test(ns: argparse.Namespace) -> int:
     from nanoserve.bench.serve import LoadConfig, format_summaries, run_load
     from nanoserve.bench.workloads import TextSampler
     from nanoserve.model.checkpoint.loader import resolve_source

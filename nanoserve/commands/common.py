@@ -34,6 +34,9 @@ _HELP = {
     "enable_prefix_caching": "share the KV blocks of common prompt prefixes between requests (radix tree)",
     "seed": "global random seed",
     "scheduling_policy": "fcfs or priority",
+    "prefill_order": "fcfs (each prompt in queue order takes all the step's prefill budget it can: the least mean "
+                     "time to first token) or shared (the prompts in progress share it equally: a burst gets its "
+                     "first tokens together, a short prompt is not held behind a long one)",
     "speculative_method": "ngram (prompt lookup) or draft (with --speculative-model) (default: none, no speculation)",
     "speculative_model": "a draft model sharing the tokenizer (folder or .gguf); implies --speculative-method draft",
     "num_speculative_tokens": "drafts verified per step and sequence",
@@ -84,7 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         kind = _OPTIONAL_TYPES.get(f.name, type(f.default))
         choices = {"kv": ["paged", "contiguous"], "scheduling_policy": ["fcfs", "priority"],
-                   "speculative_method": ["ngram", "draft"], "attention_backend": list(BACKEND_NAMES),
+                   "prefill_order": ["fcfs", "shared"], "speculative_method": ["ngram", "draft"],
+                   "attention_backend": list(BACKEND_NAMES),
                    "quantization": list(QUANTIZATION_METHODS)}.get(f.name)
         group.add_argument(flag, type=kind, default=f.default, choices=choices, help=_HELP[f.name])
 

@@ -31,6 +31,7 @@ class EngineArgs:
     kv: str = "paged"
     seed: int = 0
     scheduling_policy: str = "fcfs"
+    prefill_order: str = "fcfs"  # or "shared": the prompts in progress share each step's prefill budget
     speculative_method: str | None = None  # "ngram" or "draft"
     speculative_model: str | None = None  # the draft model (implies speculative_method="draft")
     num_speculative_tokens: int = 4

@@ -88,7 +88,8 @@ class LLMEngine:
             reserve_tokens=args.max_model_len if args.kv == "contiguous" else None,
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy), self.kv
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy,
+                            args.prefill_order), self.kv
         )
         self.runner = runner
         self.stop_token_ids = runner.stop_token_ids
