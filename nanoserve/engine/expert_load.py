@@ -35,11 +35,6 @@ class ExpertStats:
     last_experts_read: int = 0
     last_busiest_share: float = 0.0
 
-    @property
-    def experts_read_per_step(self) -> float:
-        """Mean distinct experts read per step, summed over layers (0 before any step)."""
-        return self.expert_reads / self.steps if self.steps else 0.0
-
 
 class StepExperts(NamedTuple):
     """One step's expert load: `experts_read` distinct experts summed over the MoE layers,
