@@ -13,6 +13,9 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
+
+from nanoserve.engine.expert_load import StepExperts
 from nanoserve.engine.outputs import EngineSnapshot, EngineStats, SequenceStats, StepRecord
 from nanoserve.engine.scheduler import Scheduler, StepPlan
 from nanoserve.engine.sequence import Sequence
@@ -39,6 +42,7 @@ class LiveStats:
         self._kv = kv
         self._snapshot = snapshot
         self._steps: collections.deque[StepRecord] | None = None
+        self._expert_tokens: torch.Tensor | None = None  # per expert, over the steps since the last record
 
     @property
     def recording(self) -> bool:
@@ -48,6 +52,7 @@ class LiveStats:
         """Starts (or stops and forgets) recording each step's composition."""
         if on != self.recording:
             self._steps = collections.deque(maxlen=STEP_RING) if on else None
+            self._expert_tokens = None
 
     def now(self) -> float | None:
         """The time a step starts (before it is scheduled), or None while not recording."""
@@ -68,14 +73,21 @@ class LiveStats:
                 prefill += n
         return StepStart(started, decode, drafts, prefill)
 
-    def step_ended(self, start: StepStart | None, plan: StepPlan) -> None:
+    def step_ended(self, start: StepStart | None, plan: StepPlan, experts: StepExperts | None = None) -> None:
+        """Records a step that `step_started` began; `experts`: its expert load (a mixture of
+        experts' step), added to the tokens per expert of the next record."""
         if start is None or self._steps is None:
             return
         end = time.monotonic()
         self._steps.append(StepRecord(
             end=end, duration_s=end - start.time, num_seqs=len(plan.scheduled), decode_tokens=start.decode_tokens,
             draft_tokens=start.draft_tokens, prefill_tokens=start.prefill_tokens,
-            budget=self._scheduler.config.max_num_batched_tokens, preempted=len(plan.preempted)))
+            budget=self._scheduler.config.max_num_batched_tokens, preempted=len(plan.preempted),
+            experts_read=0 if experts is None else experts.experts_read,
+            busiest_expert_tokens=0 if experts is None else experts.busiest_tokens))
+        if experts is not None:
+            tokens = experts.tokens_per_expert
+            self._expert_tokens = tokens.clone() if self._expert_tokens is None else self._expert_tokens + tokens
 
     def record(self) -> EngineStats:
         """A record of the engine now (see `EngineStats`), taking the steps recorded since the
@@ -88,6 +100,7 @@ class LiveStats:
         if self._steps is not None:
             steps = list(self._steps)
             self._steps.clear()
+        expert_tokens, self._expert_tokens = self._expert_tokens, None
         scheduler = self._scheduler
         running, waiting = scheduler.running, scheduler.waiting
         return EngineStats(
@@ -104,6 +117,7 @@ class LiveStats:
             num_preemptions=scheduler.num_preemptions,
             max_num_seqs=scheduler.config.max_num_seqs,
             max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
+            expert_tokens=None if expert_tokens is None else expert_tokens.tolist(),
         )
 
 

@@ -26,6 +26,7 @@ import llguidance
 import torch
 
 from nanoserve.engine.args import EngineArgs
+from nanoserve.engine.expert_load import ExpertMeter
 from nanoserve.engine.live_stats import LiveStats
 from nanoserve.engine.model_protocol import Model
 from nanoserve.engine.model_runner import ModelRunner
@@ -115,6 +116,9 @@ class LLMEngine:
         self._prompt_logprobs: dict[Sequence, list[PromptLogprob | None]] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        warm = runner.take_expert_load()  # what warm-up and profiling passes routed: dropped
+        # A mixture of experts' load per step (None for a dense model: nothing is counted).
+        self.experts = None if warm is None else ExpertMeter(runner.expert_bytes(), warm.shape[1])
         self.live_stats = LiveStats(self.scheduler, self.kv, self.snapshot)  # the dashboard's view, off by default
         log.info("KV cache: %d blocks of %d tokens (%s layout, prefix cache %s)", num_blocks, args.block_size,
                  args.kv, "on" if self.kv.cache else "off")
@@ -176,7 +180,8 @@ class LLMEngine:
         return EngineSnapshot(num_running=running, num_waiting=len(self._groups) - running,
                               num_waiting_seqs=self.num_waiting_seqs, kv=self.kv.snapshot(),
                               prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generated_tokens,
-                              spec=dataclasses.replace(self.spec_stats))
+                              spec=dataclasses.replace(self.spec_stats),
+                              experts=None if self.experts is None else dataclasses.replace(self.experts.stats))
 
     @property
     def num_running_seqs(self) -> int:
@@ -307,6 +312,9 @@ class LLMEngine:
             return StepOutput([], failed=failed)
         start = self.live_stats.step_started(plan, started)
         result = self.runner.execute(plan)
+        step_experts = None
+        if self.experts is not None and result.expert_load is not None:
+            step_experts = self.experts.step(result.expert_load, sum(n for _, n in plan.scheduled))
         rejected = {}
         from_prediction: dict[Sequence, int] = {}  # sequence -> its prediction drafts verified this step
         for seq, kept in result.verified:
@@ -352,7 +360,7 @@ class LLMEngine:
             self._propose()
         self.num_generated_tokens += sum(len(d.token_ids) for d in deltas)
         finished, self._finished = self._finished, []
-        self.live_stats.step_ended(start, plan)
+        self.live_stats.step_ended(start, plan, step_experts)
         return StepOutput(deltas, finished, failed)
 
     def _postprocess(self, seq: Sequence, tokens: list[int]) -> SequenceDelta:

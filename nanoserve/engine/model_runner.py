@@ -40,13 +40,16 @@ class StepResult(NamedTuple):
     reached their last token without drafts); `verified` the kept tokens (accepted drafts + one)
     of each sequence whose drafts were verified; `prompt_logprobs` per (sequence, first position)
     the logprobs of its prompt tokens first + 1, first + 2, ... computed in this step; `pooled` the
-    embedding of each pooling sequence whose prompt ended in this step."""
+    embedding of each pooling sequence whose prompt ended in this step; `expert_load` a mixture
+    of experts' tokens per expert per MoE layer in this step (`CausalLM.take_expert_load`; None
+    for a dense model)."""
 
     sequences: list[Sequence]
     sampled: SamplerOutput
     verified: list[tuple[Sequence, list[int]]]
     prompt_logprobs: tuple[tuple[Sequence, int, list[PromptLogprob]], ...] = ()
     pooled: Pooled = ()
+    expert_load: torch.Tensor | None = None
 
 
 def _proposal(seq: Sequence) -> Proposal:
@@ -115,6 +118,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         masks = self._start_masks(plan)
         logits, batch, pooled = self.forward(plan)
+        load = self.take_expert_load()
         num_sampled = len(batch.sampled)
         sampled = SamplerOutput([], None, None)
         if num_sampled:
@@ -123,9 +127,18 @@ class ModelRunner:
         num_prompt = sum(count for _, _, count in batch.prompt_rows)
         verified = self._verify(logits[num_sampled : logits.shape[0] - num_prompt], batch.verified)
         if not num_prompt:
-            return StepResult(batch.sampled, sampled, verified, pooled=pooled)
+            return StepResult(batch.sampled, sampled, verified, pooled=pooled, expert_load=load)
         prompt = self._prompt_logprobs(logits[logits.shape[0] - num_prompt :], batch.prompt_rows)
-        return StepResult(batch.sampled, sampled, verified, prompt, pooled)
+        return StepResult(batch.sampled, sampled, verified, prompt, pooled, load)
+
+    def take_expert_load(self) -> torch.Tensor | None:
+        """The model's expert counts since the previous call (`CausalLM.take_expert_load`), then
+        zeroed; None for a dense model or a stand-in."""
+        return self.model.take_expert_load() if isinstance(self.model, CausalLM) else None
+
+    def expert_bytes(self) -> list[int]:
+        """The weight bytes of one expert of each MoE layer, in layer order (empty for a dense model)."""
+        return [m.expert_bytes for m in self.model.moe_layers] if isinstance(self.model, CausalLM) else []
 
     @torch.inference_mode()
     def _prompt_logprobs(self, logits: torch.Tensor, spans: tuple[tuple[Sequence, int, int], ...]

@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from nanoserve.engine.expert_load import ExpertStats
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.spec_decode import SpecStats
 from nanoserve.kv.manager import KVStats, blocks_needed
 from nanoserve.model.checkpoint.pooling import PoolingConfig
 
-__all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "EngineStats", "KVStats", "PromptLogprob",
+__all__ = ["CompletionOutput", "EngineLimits", "EngineSnapshot", "EngineStats", "ExpertStats", "KVStats",
+           "PromptLogprob",
            "RequestOutput", "SequenceDelta", "SequenceProgress", "SequenceStats", "SpecStats", "StepOutput",
            "StepRecord"]
 
@@ -132,7 +134,8 @@ class EngineSnapshot:
     """The engine's state between two steps. `num_running`, `num_waiting`: requests, not
     sequences (a request runs while any of its sequences runs, and waits while none runs and one
     still waits); `num_waiting_seqs`: the sequences that wait, of every request (each of a
-    request's n counts), which is what a front end bounds its queue by."""
+    request's n counts), which is what a front end bounds its queue by. `experts`: a mixture of
+    experts' load counters (None for a dense model)."""
 
     num_running: int
     num_waiting: int
@@ -141,13 +144,16 @@ class EngineSnapshot:
     prompt_tokens: int
     generation_tokens: int
     spec: SpecStats
+    experts: ExpertStats | None = None
 
 
 class StepRecord(NamedTuple):
     """The composition of one engine step that ran a batch. Its tokens: `decode_tokens` (one per
     decoding sequence) + `draft_tokens` (the drafts those sequences verified) + `prefill_tokens`
     (prompt chunks, and tokens recomputed after a preemption) <= `budget`
-    (max_num_batched_tokens). `end` is time.monotonic when the step ended."""
+    (max_num_batched_tokens). `end` is time.monotonic when the step ended. A mixture of experts'
+    step: `experts_read` distinct experts summed over its MoE layers, `busiest_expert_tokens` the
+    most tokens one expert of one layer received (both 0 for a dense model)."""
 
     end: float
     duration_s: float
@@ -157,6 +163,8 @@ class StepRecord(NamedTuple):
     prefill_tokens: int
     budget: int
     preempted: int
+    experts_read: int = 0
+    busiest_expert_tokens: int = 0
 
 
 class SequenceStats(NamedTuple):
@@ -186,7 +194,9 @@ class EngineStats:
     listed nodes form a connected top of the tree; `tree_nodes` counts all of them. `running` and
     `waiting` list sequences in scheduling order, each capped (`num_waiting_seqs` is the true
     count). `steps`: the steps since the previous record, oldest first (the most recent ones if
-    more ran than the ring holds). `snapshot`: the counters (tokens, prefix cache, speculation)."""
+    more ran than the ring holds). `snapshot`: the counters (tokens, prefix cache, speculation,
+    experts). `expert_tokens`: a mixture of experts' tokens per expert, summed over its MoE layers
+    and the recorded steps (None for a dense model)."""
 
     time: float
     block_size: int
@@ -201,6 +211,7 @@ class EngineStats:
     num_preemptions: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    expert_tokens: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,6 +115,7 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp
         if isinstance(mlp, SparseMoE):
             ids, weights = mlp.route(x, ops)
+            mlp.count(ids)
             h = ops.moe_ffn(x, mlp.gate_exps, mlp.up_exps, mlp.down_exps, ids, weights)
         else:
             gate_up = ops.linear(x, mlp.gate_up_proj)
@@ -279,6 +280,23 @@ class CausalLM(nn.Module):
         """fp32 logits [n, vocab] for the given rows of hidden states (`LayerOps.logits`, then
         `scale_logits`)."""
         return self.scale_logits(self.ops.logits(hidden, self.head))
+
+    @property
+    def moe_layers(self) -> list[SparseMoE]:
+        """The mixture-of-experts MLPs, in layer order (none for a dense model)."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def take_expert_load(self) -> torch.Tensor | None:
+        """Tokens routed to each expert of each MoE layer since the previous call, [MoE layers, E]
+        int64 on the CPU (a token counts once in each of its k experts), the counts then zeroed;
+        None for a dense model. One device-to-host copy of the stacked counts."""
+        layers = self.moe_layers
+        if not layers:
+            return None
+        load = torch.stack([m.tokens_per_expert for m in layers]).cpu()
+        for m in layers:
+            m.tokens_per_expert.zero_()
+        return load
 
     @property
     def head(self) -> LinearWeight:

@@ -41,7 +41,11 @@ class SparseMoE(nn.Module):
     """The weights of one MoE layer: `router` [E, H] (dense in the model's dtype unless the
     checkpoint stores it otherwise) and the stacked experts `gate_exps`, `up_exps` [E * I, H] and
     `down_exps` [E * H, I] of layer `layer`, in the formats `quant` gives them. The decoder routes
-    with `route` and applies the experts with `LayerOps.moe_ffn`."""
+    with `route`, counts the choices (`count`) and applies the experts with `LayerOps.moe_ffn`.
+    `tokens_per_expert` [E] int64 (a buffer on the model's device): the tokens routed to each
+    expert since the counts were last taken (`CausalLM.take_expert_load`)."""
+
+    tokens_per_expert: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
@@ -54,6 +58,19 @@ class SparseMoE(nn.Module):
         self.gate_exps = quant.make_weight(layer, "mlp.gate_exps", ((None, e * inter),), h, dtype)
         self.up_exps = quant.make_weight(layer, "mlp.up_exps", ((None, e * inter),), h, dtype)
         self.down_exps = quant.make_weight(layer, "mlp.down_exps", ((None, e * h),), inter, dtype)
+        self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.int64), persistent=False)
+
+    def count(self, topk_ids: torch.Tensor) -> None:
+        """Adds the routing `topk_ids` [T, k] to `tokens_per_expert` (a token counts once in each of
+        its k experts): one vectorised add on the device, no host read."""
+        flat = topk_ids.reshape(-1)
+        self.tokens_per_expert.index_add_(0, flat, torch.ones_like(flat))
+
+    @property
+    def expert_bytes(self) -> int:
+        """The weight bytes one expert's gate, up and down rows hold: what multiplying it reads."""
+        return sum(t.nbytes for w in (self.gate_exps, self.up_exps, self.down_exps)
+                   for t in (*w.parameters(), *w.buffers())) // self.num_experts
 
     def route(self, x: torch.Tensor, ops: ExpertProducts) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts of each row of x [T, H] and their weights (`route` on the router's logits,

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
-    from nanoserve.engine.outputs import EngineSnapshot
+    from nanoserve.engine.outputs import EngineSnapshot, ExpertStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
@@ -31,7 +31,9 @@ class Metrics:
     tokens, prefix-cache queries and hits), by their change since the previous `update_engine`; an
     engine core started again counts from zero, and its counts are added to those before it. Every
     series carries the served model's name as its `model_name` label (vLLM's convention), so the
-    series of several servers can share one Prometheus."""
+    series of several servers can share one Prometheus. A mixture of experts' series
+    (`nanoserve:moe_*`) are registered at its first snapshot with expert counters: a dense model
+    has none."""
 
     def __init__(self, model_name: str) -> None:
         r = self.registry = CollectorRegistry()
@@ -78,6 +80,7 @@ class Metrics:
         self._mirrored = (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
                           self.spec_proposed, self.spec_accepted, self.spec_verifications)
         self._last = (0,) * len(self._mirrored)
+        self._experts: _ExpertMetrics | None = None
 
     def update_engine(self, snap: EngineSnapshot) -> None:
         """Engine thread only: publishes the engine's state after one loop iteration."""
@@ -93,6 +96,10 @@ class Metrics:
         for counter, new, old in zip(self._mirrored, now, self._last, strict=True):
             counter.inc(new - old if new >= old else new)  # an engine restarted counts from zero again
         self._last = now
+        if snap.experts is not None:
+            if self._experts is None:
+                self._experts = _ExpertMetrics(self.registry, self.model_name)
+            self._experts.update(snap.experts)
 
     def record_finished(self, reason: str, e2e_s: float | None) -> None:
         self.finished.labels(self.model_name, reason).inc()
@@ -104,6 +111,36 @@ class Metrics:
         default, OpenMetrics on request), and its content type."""
         encode, content_type = choose_encoder(accept)
         return encode(self.registry), content_type
+
+
+class _ExpertMetrics:
+    """A mixture of experts' load (`ExpertStats`): counters that advance as the engine's do (an
+    engine started again counts from zero), and the latest step's figures as gauges."""
+
+    def __init__(self, r: CollectorRegistry, m: str) -> None:
+        label = ["model_name"]
+        self.steps = Counter("nanoserve:moe_steps", "Steps that ran the mixture-of-experts layers", label,
+                             registry=r).labels(m)
+        self.reads = Counter("nanoserve:moe_expert_reads", "Distinct experts chosen per step and MoE layer, summed "
+                             "(each expert's matrices streamed once)", label, registry=r).labels(m)
+        self.read_bytes = Counter("nanoserve:moe_expert_read_bytes", "Weight bytes of the experts read", label,
+                                  registry=r).labels(m)
+        self.routed = Counter("nanoserve:moe_routed_tokens", "(token, expert) choices summed over MoE layers", label,
+                              registry=r).labels(m)
+        self.read_per_layer = Gauge("nanoserve:moe_experts_read_per_layer", "Distinct experts read in the latest "
+                                    "step, mean over MoE layers", label, registry=r).labels(m)
+        self.busiest_share = Gauge("nanoserve:moe_busiest_expert_share", "Largest fraction of the latest step's "
+                                   "tokens that one expert of one layer received", label, registry=r).labels(m)
+        self._mirrored = (self.steps, self.reads, self.read_bytes, self.routed)
+        self._last = (0,) * len(self._mirrored)
+
+    def update(self, stats: ExpertStats) -> None:
+        now = (stats.steps, stats.expert_reads, stats.expert_read_bytes, stats.routed_tokens)
+        for counter, new, old in zip(self._mirrored, now, self._last, strict=True):
+            counter.inc(new - old if new >= old else new)
+        self._last = now
+        self.read_per_layer.set(stats.last_experts_read / stats.num_layers)
+        self.busiest_share.set(stats.last_busiest_share)
 
 
 class LatencyWindow:

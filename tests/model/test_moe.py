@@ -18,9 +18,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
+from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.model import UnsupportedModelError, load_model
 from nanoserve.model.checkpoint.gguf_export import export_gguf
@@ -28,9 +30,12 @@ from nanoserve.model.layer_ops import CpuLayerOps, TorchLayerOps, select_layer_o
 from nanoserve.model.moe import SparseMoE, grouped_moe_ffn, route
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, dequantize, quantize
 from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight
+from nanoserve.runtime.builder import build_engine
 from nanoserve.runtime.llm import LLM
 
 from support.forward import forward_chunks
+from support.moe import save_tiny_moe
+from support.server import background_load, metric_value, serve, wait_idle
 
 # name: (transformers class prefix, config fields)
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -60,26 +65,8 @@ PROMPTS, PROMPT_LEN, SHARED, STEPS, TOP = 3, 40, 24, 32, 5
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> dict[str, Path]:
     """Each configuration saved once (save_pretrained) with the demo tokenizer, every parameter
     drawn at random."""
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
-    paths = {}
-    for name, (prefix, fields) in CONFIGS.items():
-        cfg = getattr(transformers, f"{prefix}Config")(**{
-            "vocab_size": len(tok), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "bos_token_id": None, "pad_token_id": None,
-            "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"), **fields})
-        torch.manual_seed(7)
-        model = getattr(transformers, f"{prefix}ForCausalLM")(cfg).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.2)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        for file in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(demo_dir / file, path / file)
-        paths[name] = path
-    return paths
+    return {name: save_tiny_moe(tmp_path_factory.mktemp(name), demo_dir, prefix, fields)
+            for name, (prefix, fields) in CONFIGS.items()}
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -146,8 +133,13 @@ def test_matches_transformers(checkpoints, references, name, backend):
 @pytest.mark.parametrize("name", WHOLE_MOE)
 def test_matches_transformers_through_gguf(checkpoints, references, tmp_path, name):
     """Exported to GGUF (F32, the experts stacked as llama.cpp stacks them) and read back: the same
-    config, tokens and logprobs."""
+    config, tokens and logprobs. The reader yields each stack of experts whole (one copy into the
+    model's stacked matrix, not one per expert)."""
+    from nanoserve.model.checkpoint.gguf_reader import read_gguf
+
     gguf_path = export_gguf(checkpoints[name], tmp_path / f"{name}.gguf")
+    names = [n for n, _ in read_gguf(gguf_path).weights(torch.float32)]
+    assert sum(".experts.*." in n for n in names) == 3 * 2 and not any(".experts.0." in n for n in names)
     assert load_model(gguf_path).config == load_model(checkpoints[name]).config
     _check(_llm(gguf_path), references[name])
 
@@ -476,3 +468,69 @@ def test_int8_quantizes_experts_and_dense_mlps_at_load(checkpoints):
                          (mlp.gate_up_proj, dense.layers[1].dense_mlp.gate_up_proj)):
         assert isinstance(ours, BlockQuantWeight) and ours.format == "q8_0" and isinstance(theirs, DenseWeight)
         assert torch.equal(ours.blocks, quantize(theirs.weight, "q8_0"))
+
+
+def test_expert_load_is_transformers_routing(checkpoints, one_torch_thread):
+    """A prompt's one prefill step: the tokens per expert, distinct experts read and busiest
+    expert's tokens the engine records are those of transformers' own routers (top-k of its
+    router logits) over the same prompt; the counters add up (k choices per token and layer, the
+    bytes of the experts read); warm-up passes count nothing."""
+    import transformers
+
+    path = checkpoints["qwen3moe-e8k2"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = _prompts(hf.config.vocab_size)[0]
+    k, e = hf.config.num_experts_per_tok, hf.config.num_experts
+    with torch.no_grad():
+        router_logits = hf(torch.tensor([prompt]), output_router_logits=True).router_logits
+    counts = torch.stack([torch.bincount(logits.topk(k, dim=-1).indices.reshape(-1), minlength=e)
+                          for logits in router_logits])  # [layers, E]
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=64, max_model_len=128)
+    engine = llm.engine
+    engine.live_stats.record_steps(True)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    stats = engine.live_stats.record()
+    (step,) = stats.steps
+    assert stats.expert_tokens == counts.sum(dim=0).tolist()
+    assert step.experts_read == int((counts > 0).sum()) and step.busiest_expert_tokens == int(counts.max())
+    experts = stats.snapshot.experts
+    assert experts is not None and (experts.num_layers, experts.num_experts, experts.steps) == (2, e, 1)
+    assert experts.routed_tokens == 2 * k * len(prompt)
+    expert_bytes = 3 * 32 * 64 * 4  # gate, up and down rows of one expert, fp32
+    assert experts.expert_read_bytes == experts.expert_reads * expert_bytes == step.experts_read * expert_bytes
+    assert experts.last_busiest_share == int(counts.max()) / len(prompt)
+
+
+def test_expert_load_on_the_dashboard_and_in_metrics(checkpoints):
+    """A served MoE model: the dashboard's records carry the expert panel's data (each step's
+    distinct experts and busiest expert, tokens per expert), /metrics the `nanoserve:moe_*` series,
+    and both agree with the tokens the steps ran (k choices per token and MoE layer)."""
+    engine = build_engine(EngineArgs(model=str(checkpoints["qwen3moe-e8k2"]), dtype="float32", num_kv_blocks=64,
+                                     max_model_len=128))
+    k, layers, experts = 2, 2, 8
+    with serve(engine) as (url, app), httpx.stream("GET", f"{url}/dashboard/stats", timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line)
+        first = json.loads(next(lines).removeprefix("data: "))
+        assert first["experts"]["num_layers"] == layers and first["experts"]["num_experts"] == experts
+        load = background_load(url, 2, 6)
+        steps, routed = [], 0
+        for line in lines:
+            record = json.loads(line.removeprefix("data: "))
+            steps += record["steps"]
+            routed += sum(record["experts"]["tokens"] or [])
+            if not load.is_alive() and record["counters"]["generation_tokens"] >= 12 and not record["running"]:
+                break
+        load.join()
+        wait_idle(app)
+        tokens = sum(s[3] + s[4] + s[5] for s in steps)
+        assert routed == k * layers * tokens > 0
+        for s in steps:
+            step_tokens = s[3] + s[4] + s[5]
+            assert layers * k <= s[8] <= layers * min(experts, k * step_tokens)  # distinct experts read
+            assert -(-step_tokens * k // experts) <= s[9] <= step_tokens  # the busiest expert's tokens
+        text = httpx.get(f"{url}/metrics").text
+        assert metric_value(text, "nanoserve:moe_steps_total") == len(steps)
+        assert metric_value(text, "nanoserve:moe_expert_reads_total") == sum(s[8] for s in steps)
+        assert metric_value(text, "nanoserve:moe_routed_tokens_total") == routed
+        assert metric_value(text, "nanoserve:moe_expert_read_bytes_total") == sum(s[8] for s in steps) * 3 * 32 * 64 * 4
+        assert 0 < metric_value(text, "nanoserve:moe_busiest_expert_share") <= 1

@@ -226,6 +226,7 @@ def test_metrics(url: str, client: openai.OpenAI) -> None:
     assert metric_value(text, 'nanoserve:request_finished_total{finished_reason="length"}') >= 1
     assert metric_value(text, "nanoserve:generation_tokens_total") >= 3
     assert metric_value(text, "nanoserve:time_to_first_token_seconds_count") >= 1
+    assert "nanoserve:moe_" not in text  # a dense model has no expert series
 
 
 class _Terminal(io.StringIO):

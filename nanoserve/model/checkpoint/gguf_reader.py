@@ -16,9 +16,10 @@ Invariants:
   of families with a `LayerShape.norm_offset` less that offset (llama.cpp stores 1 + w), and the Q/K
   rows of files whose architecture stores them interleaved (`llama`) un-permuted from llama.cpp's
   interleaved rotary layout back to the rotate-half layout of `transformers`.
-- A mixture of experts' stacked expert tensors (`ffn_gate_exps` etc., [E, I, H]) come as one
-  tensor per expert under its Hugging Face name (rows e * I .. (e + 1) * I: views of the map,
-  blocks untouched), which the loader writes back into the model's stacked matrix.
+- A mixture of experts' stacked expert tensors (`ffn_gate_exps` etc., [E, I, H]) come whole, as
+  [E * I, H] rows (expert e's rows e * I .. (e + 1) * I, blocks untouched) under the Hugging Face
+  name with `*` for the expert (`TensorRef.hf_name`), which the loader copies into the model's
+  stacked matrix in one piece: one copy per stack, not one per expert.
 - Tensors of a type nanoserve multiplies in its block format (`KEPT_TYPES`: Q8_0, Q4_0, Q4_1,
   Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q2_K) come as `QuantizedRows`, the file's
   bytes untouched (a row permutation moves whole rows of blocks: blocks run along a row);
@@ -53,7 +54,7 @@ from tokenizers import AddedToken, decoders
 
 from nanoserve.model.checkpoint import gguf_header
 from nanoserve.model.config import ModelLoadError, RopeScaling, UnsupportedModelError
-from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch, TensorRef
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch
 from nanoserve.model.layers import rope_inv_freq
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, QuantizedRows
 from nanoserve.tokenizer import sentencepiece_bpe
@@ -129,25 +130,19 @@ class GGUFCheckpoint(NamedTuple):
             rows = ref.tensor.rows
             if interleaved and rows is not None and rows in heads:
                 x = x[unpermute_rotary(torch.arange(x.shape[0]), heads[rows])]
-            if ref.tensor.experts:
-                yield from _per_expert(ref, x, self.num_experts, t.name)
-            else:
-                yield ref.hf_name, x
+            yield ref.hf_name, (_expert_stack(x, self.num_experts, t.name) if ref.tensor.experts else x)
             _release(self.mapping, t.data_offset, t.data_offset + t.n_bytes)
 
 
-def _per_expert(ref: TensorRef, x: torch.Tensor | QuantizedRows, num_experts: int,
-                name: str) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
-    """Each expert's rows of a stacked expert tensor (x: [E, rows, in] dense or [E * rows] block
-    rows) under its Hugging Face name, as views."""
+def _expert_stack(x: torch.Tensor | QuantizedRows, num_experts: int, name: str) -> torch.Tensor | QuantizedRows:
+    """A stacked expert tensor (x: [E, rows, in] dense or [E * rows] block rows) as [E * rows, in]
+    rows; UnsupportedModelError unless its rows divide among the experts."""
     if isinstance(x, torch.Tensor):
         x = x.reshape(-1, x.shape[-1])
     if x.shape[0] % num_experts:
         raise UnsupportedModelError(f"GGUF tensor {name} has {x.shape[0]} rows, not a multiple of the "
                                     f"{num_experts} experts")
-    rows = x.shape[0] // num_experts
-    for e in range(num_experts):
-        yield ref._replace(expert=e).hf_name, x[e * rows:(e + 1) * rows]
+    return x
 
 
 class _Reader(GGUFReader):

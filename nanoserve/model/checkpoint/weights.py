@@ -49,9 +49,10 @@ def _rows(layer: DecoderLayer, block: str) -> slice:
 
 def _destination(owner: nn.Module, tensor: TensorName, expert: int | None = None) -> WeightDestination | None:
     """The view of `owner` (the model, or a layer for a layer tensor) that `tensor` fills (for an
-    `experts` tensor, expert `expert`'s rows), or None if this model has no such parameter (an LM
-    head tied to the embedding, a bias it lacks, an MoE layer's tensor in a dense layer or the
-    reverse). Raises MissingWeightsError for an expert the layer does not have."""
+    `experts` tensor, expert `expert`'s rows, or with `expert` None the whole stack of every
+    expert's rows), or None if this model has no such parameter (an LM head tied to the embedding,
+    a bias it lacks, an MoE layer's tensor in a dense layer or the reverse). Raises
+    MissingWeightsError for an expert the layer does not have."""
     dest: object = owner
     for attr in tensor.param.split("."):
         dest = getattr(dest, attr, None)
@@ -59,7 +60,9 @@ def _destination(owner: nn.Module, tensor: TensorName, expert: int | None = None
             return None
     assert isinstance(dest, torch.Tensor | LinearWeight), tensor.param
     if tensor.experts:
-        assert isinstance(owner, DecoderLayer) and isinstance(owner.mlp, SparseMoE) and expert is not None
+        if expert is None:
+            return dest
+        assert isinstance(owner, DecoderLayer) and isinstance(owner.mlp, SparseMoE)
         num = owner.mlp.num_experts
         if not 0 <= expert < num:
             raise MissingWeightsError(f"tensor {tensor.hf.format(e=expert)} of expert {expert}: the layer has {num}")
@@ -152,7 +155,9 @@ def per_expert(family: Family, tensors: Iterable[tuple[str, torch.Tensor | Quant
 
 @torch.no_grad()
 def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedRows]], family: Family) -> None:
-    """Copies checkpoint tensors (Hugging Face names of `family`) into the model: each destination
+    """Copies checkpoint tensors (Hugging Face names of `family`; an experts tensor either one
+    expert's or, named with `*` for the expert, the stack of all of them, copied in one piece as a
+    GGUF file stores it) into the model: each destination
     converts dense values to its format (casting to the model's dtype, or quantizing) and takes
     `QuantizedRows` of its own block format as they are; a dense destination dequantizes them."""
     seen: set[str] = set()
@@ -175,7 +180,11 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
             dest.copy_(tensor.float() + family.layer.norm_offset)
         else:
             dest.copy_(tensor)
-        seen.add(name)
+        if ref.tensor.experts and ref.expert is None:  # a stack of all experts fills each expert's rows
+            assert ref.layer is not None
+            seen |= {f"model.layers.{ref.layer}.{n}" for n, _ in _layer_names(model.layers[ref.layer], ref.tensor)}
+        else:
+            seen.add(name)
     if not_text:
         log.info("skipped %d tensors outside the text decoder (%s reads text only)", not_text, family.name)
     missing = expected_keys(model, family) - seen

@@ -51,7 +51,8 @@ class TensorName(NamedTuple):
 
 class TensorRef(NamedTuple):
     """A `TensorName` of one layer (`layer` None for the embedding, final norm and LM head), and for
-    an `experts` tensor the expert (None: the stack of all of them, as a GGUF file names it)."""
+    an `experts` tensor the expert (None: the stack of all of them, as a GGUF file names it; its
+    Hugging Face name then has `*` for the expert's index)."""
 
     layer: int | None
     tensor: TensorName
@@ -59,10 +60,10 @@ class TensorRef(NamedTuple):
 
     @property
     def hf_name(self) -> str:
-        """The Hugging Face name; an `experts` tensor's needs its expert."""
-        if self.tensor.experts and self.expert is None:
-            raise ValueError(f"{self.tensor.hf} names one expert's tensor: give the expert")
-        name = self.tensor.hf.format(e=self.expert) if self.tensor.experts else self.tensor.hf
+        """The Hugging Face name; an `experts` tensor's stack of all experts has `*` for the expert
+        (`mlp.experts.*.gate_proj.weight`: no checkpoint writes it; the GGUF reader yields stacks so)."""
+        expert = "*" if self.expert is None else self.expert
+        name = self.tensor.hf.format(e=expert) if self.tensor.experts else self.tensor.hf
         return name if self.layer is None else f"model.layers.{self.layer}.{name}"
 
     @property
@@ -258,9 +259,9 @@ class Family:
         layer, name = int(m.group(1)), m.group(2)
         for t in self.layer_tensors:
             if t.experts:
-                expert = re.fullmatch(re.escape(t.hf).replace(r"\{e\}", r"(\d+)"), name)
+                expert = re.fullmatch(re.escape(t.hf).replace(r"\{e\}", r"(\d+|\*)"), name)
                 if expert is not None:
-                    return TensorRef(layer, t, int(expert.group(1)))
+                    return TensorRef(layer, t, None if expert.group(1) == "*" else int(expert.group(1)))
             elif t.hf == name:
                 return TensorRef(layer, t)
         return None

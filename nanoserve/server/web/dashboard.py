@@ -105,7 +105,21 @@ class StatsFeed:
             "rates": rates,
             "latency": {"window_s": LATENCY_WINDOW_S, "ttft": ttft, "itl": itl},  # [p50, p90, p99] s, or None
             "limits": {"max_num_seqs": stats.max_num_seqs, "max_num_batched_tokens": stats.max_num_batched_tokens},
+            "experts": _experts(stats),
         }
+
+
+def _experts(stats: EngineStats) -> dict[str, Any] | None:
+    """A mixture of experts' load for the page (None for a dense model): its shape, the tokens each
+    expert received over the record's steps (summed over the MoE layers; None without steps) and
+    the engine's counters. Each step of `steps` carries its distinct experts read and its busiest
+    expert's tokens (`StepRecord`)."""
+    e = stats.snapshot.experts
+    if e is None:
+        return None
+    return {"num_layers": e.num_layers, "num_experts": e.num_experts, "tokens": stats.expert_tokens,
+            "steps": e.steps, "expert_reads": e.expert_reads, "expert_read_bytes": e.expert_read_bytes,
+            "routed_tokens": e.routed_tokens}
 
 
 def register_dashboard(app: FastAPI, engine: AsyncEngine) -> StatsFeed:

@@ -161,6 +161,7 @@ def test_blocks_fill_under_load_and_empty_after(engine: LLMEngine, monkeypatch: 
         first = next(records)
         assert len(first["blocks"]["states"]) == engine.num_blocks
         assert first["limits"]["max_num_batched_tokens"] == engine.args.max_num_batched_tokens
+        assert first["experts"] is None  # a dense model: no expert panel
         load = background_load(url, 8, 32)
         busy: list[dict[str, Any]] = []
         for record in records:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from nanoserve.engine.args import EngineArgs
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.runtime.builder import build_engine
 
+from support.moe import save_tiny_moe
 from support.server import background_load, pace, serve, wait_idle
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -66,6 +70,29 @@ def test_blocks_fill_while_a_load_runs_and_the_page_returns_to_idle(
         assert _count(page, "n-cached") > 0  # the prompts stay in the prefix cache
         assert page.locator("#running tr").count() == 0
         assert page.locator("#t-gen").inner_text() != "–"  # the rates reached the page
+        assert page.locator("#experts-panel").is_hidden()  # a dense model
+        page.goto("about:blank")  # the stream closes now, not at the server's graceful-shutdown timeout
+
+
+def test_the_expert_panel_of_a_mixture_of_experts(demo_dir: Path, tmp_path: Path, browser_page: Page) -> None:
+    """A tiny Qwen3-MoE (8 experts, top 2, 2 layers): the panel shows, and after a load its figures
+    lie where routing puts them: at least k and at most E experts read per layer, a busiest share
+    in (0, 100] %, one bar per expert."""
+    path = save_tiny_moe(tmp_path / "moe", demo_dir, "Qwen3Moe", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32, num_key_value_heads=2))
+    engine = build_engine(EngineArgs(model=str(path), dtype="float32", num_kv_blocks=64, max_model_len=128))
+    with serve(engine) as (url, _):
+        page = browser_page
+        page.goto(f"{url}/dashboard")
+        page.locator("#experts-panel").wait_for(state="visible")
+        assert page.locator("#experts-caption").inner_text() == "8 experts in 2 layers"
+        background_load(url, 2, 8).join()
+        _wait_until(lambda: page.locator("#e-layer").inner_text() != "–", 10, "the experts read per layer")
+        assert 2 <= float(page.locator("#e-layer").inner_text()) <= 8
+        assert 4 <= float(page.locator("#e-read").inner_text()) <= 16
+        share = float(page.locator("#e-busiest").inner_text().removesuffix(" %"))
+        assert 0 < share <= 100
+        page.goto("about:blank")  # the stream closes now, not at the server's graceful-shutdown timeout
 
 
 def test_the_page_asks_for_the_api_key_then_connects(engine: LLMEngine, browser_page: Page) -> None:
@@ -82,3 +109,4 @@ def test_the_page_asks_for_the_api_key_then_connects(engine: LLMEngine, browser_
         _wait_until(lambda: page.locator("#status").inner_text() == "live", 10, "a live stream with the key")
         background_load(url, 2, 8, {"Authorization": f"Bearer {API_KEY}"}).join()
         _wait_until(lambda: _count(page, "n-cached") > 0, 10, "the finished requests' cached blocks")
+        page.goto("about:blank")

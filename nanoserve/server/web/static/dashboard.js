@@ -11,7 +11,7 @@ const STATE_COLORS = ["--free", "--used", "--cached", "--pinned"];
 const $ = (id) => document.getElementById(id);
 const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 
-const view = { latest: null, history: [], steps: [], dirty: false, pixels: null };
+const view = { latest: null, history: [], steps: [], dirty: false, pixels: null, expertTokens: null };
 
 // ---- the stream --------------------------------------------------------------------------------
 
@@ -94,6 +94,7 @@ function draw() {
   drawTiles(r);
   drawBlocks(r.blocks);
   drawSteps(r.limits.max_num_batched_tokens);
+  drawExperts(r.experts);
   drawTree(r.tree);
   drawSparkTput();
   drawSparkLatency(r.latency.window_s);
@@ -217,6 +218,33 @@ function drawSteps(budget) {
   const tokens = last.length ? last.reduce((a, s) => a + s[3] + s[4] + s[5], 0) / last.length : null;
   $("steps-caption").textContent = last.length
     ? `last ${steps.length}; recent: ${fmt(tokens)} tokens, ${fmt(ms, 1)} ms a step` : "idle";
+}
+
+// A mixture of experts' load: steps carry [8] distinct experts read (over the MoE layers) and [9]
+// the busiest expert's tokens; the record, tokens per expert since the previous one. Hidden for
+// a dense model (no `experts` in the record).
+function drawExperts(e) {
+  $("experts-panel").hidden = !e;
+  if (!e) return;
+  const recent = view.steps.slice(-20).filter((s) => s[8] > 0);
+  const n = recent.length;
+  const read = n ? recent.reduce((a, s) => a + s[8], 0) / n : null;
+  const share = n ? recent.reduce((a, s) => a + s[9] / (s[3] + s[4] + s[5]), 0) / n : null;
+  $("e-read").textContent = fmt(read, 1);
+  $("e-layer").textContent = read == null ? "–" : fmt(read / e.num_layers, 1);
+  $("e-busiest").textContent = share == null ? "–" : `${fmt(100 * share)} %`;
+  $("experts-caption").textContent = `${e.num_experts} experts in ${e.num_layers} layers`;
+  if (e.tokens) view.expertTokens = e.tokens;
+  const { ctx, w, h } = surface("experts", 90);
+  const tokens = view.expertTokens;
+  if (!tokens) return;
+  const top = Math.max(1, ...tokens);
+  const bw = w / tokens.length;
+  ctx.fillStyle = css("--decode");
+  tokens.forEach((t, i) => {
+    const bh = ((h - 2) * t) / top;
+    ctx.fillRect(i * bw, h - bh, Math.max(bw - 1, 1), bh);
+  });
 }
 
 function drawTree(t) {
