@@ -667,6 +667,55 @@ struct Group<kQ2_K> {
 #endif
 };
 
+// The 256-value formats whose products accumulate each super-block in int32 (quant_dot.h's
+// superblock_dot): their u fit vpmaddubsw (u <= 63, no saturation) and their sub-block scales and
+// mins are small integers. (iq4_xs's u = table + 128 would saturate it: it keeps dot_block.)
+constexpr bool superblock_int(int qtype) {
+  return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K || qtype == kQ2_K;
+}
+
+// A super-block's scales as integers: value 16i + l (i < 16) = d * s16[i] * (u - offset) -
+// dmin * m16[i], with s16 and m16 sixteen int16 lanes (q4_k's and q5_k's per-32 scales and mins
+// each in two lanes; m16 zero for q6_k and q3_k) and d, dmin the block's fp16 factors.
+struct IntScales {
+  __m256i s16, m16;
+  float d, dmin;
+};
+
+// Eight bytes, each twice, as sixteen int16 lanes (q4_k's and q5_k's per-32 values per 16).
+inline __m256i twice16(uint64_t bytes) {
+  const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, b));
+}
+
+template <int Q>
+inline IntScales int_scales(const uint8_t* p) {
+  static_assert(superblock_int(Q), "the super-block formats only");
+  if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    uint64_t sc, mn;
+    k_scales(p + 4, &sc, &mn);
+    uint32_t d_dmin;
+    std::memcpy(&d_dmin, p, sizeof d_dmin);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_dmin)));  // d, dmin in one conversion
+    return {twice16(sc), twice16(mn), _mm_cvtss_f32(f), _mm_cvtss_f32(_mm_movehdup_ps(f))};
+  } else if constexpr (Q == kQ6_K) {
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192))),
+            _mm256_setzero_si256(), fp16(p + 208), 0.0f};
+  } else if constexpr (Q == kQ3_K) {
+    alignas(16) int8_t sc[16];
+    q3_k_scales(p + 96, sc);
+    return {_mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc))), _mm256_setzero_si256(),
+            fp16(p + 108), 0.0f};
+  } else {  // q2_k: byte i = scale i (low nibble) and min i (high nibble)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    uint32_t d_dmin;
+    std::memcpy(&d_dmin, p + 80, sizeof d_dmin);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_dmin)));
+    return {_mm256_and_si256(b, _mm256_set1_epi16(0xf)), _mm256_srli_epi16(b, 4), _mm_cvtss_f32(f),
+            _mm_cvtss_f32(_mm_movehdup_ps(f))};
+  }
+}
+
 // Group Q's scales at block p as dequantize_block computes them: s[i] that of values 16i .. 16i + 15,
 // mins[i] (formats with mins) the min of those values (-m for q4_1's and q5_1's added m).
 template <int Q>

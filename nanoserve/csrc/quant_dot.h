@@ -66,7 +66,70 @@ struct Activations {
   std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
   std::vector<float> sums;    // [M, Kp / 32]: dx * the chunk's sum of qx
   std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
+  // The same rows quantized per super-block of 256 values (one dx each) for the superblock_int
+  // formats; filled when K is a multiple of 256 (then Kp == K), else empty.
+  std::vector<int8_t> q256;     // [M, Kp]
+  std::vector<float> scale256;  // [M, Kp / 256]: dx
+  std::vector<int16_t> sums16;  // [M, Kp / 16]: each 16 values' sum of qx
 };
+
+// The largest |x| of 32 values (four vectors of eight).
+inline float amax32(const __m256 v[4]) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                     _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+  __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+  return _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+}
+
+// 32 values as bytes round(v * inv): to nearest even (vcvtps2dq, as lrintf in the default rounding
+// mode), then narrowed in order (the packs interleave 128-bit halves; the permute undoes it).
+inline __m256i quantize32(const __m256 v[4], float inv) {
+  __m256i q32[4];
+  for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Each 4-value lane's sum of 32 bytes q: bytes times one, pairs summed to int16, then to int32.
+inline __m256i lane_sums_of(__m256i q) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+}
+
+// Activations' super-block fields (q256, scale256, sums16) of x [M, K], K a multiple of 256.
+template <typename T>
+void quantize_superblocks(const T* x, int64_t M, int64_t K, Activations& a) {
+  a.q256.assign(M * K, 0);
+  a.scale256.assign(M * K / 256, 0.0f);
+  a.sums16.assign(M * K / 16, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 256; ++b) {
+      const T* src = x + m * K + b * 256;
+      float amax = 0.0f;
+      for (int c = 0; c < 8; ++c) {
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
+        amax = std::max(amax, amax32(v));
+      }
+      a.scale256[m * K / 256 + b] = amax / 127.0f;
+      const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+      for (int c = 0; c < 8; ++c) {
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
+        const __m256i q = quantize32(v, inv);
+        const int64_t at = m * K + b * 256 + c * kChunk;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q256.data() + at), q);
+        // Lanes 0-3 hold values 0-15, lanes 4-7 values 16-31: two horizontal adds put their sums in
+        // lanes 0 and 4.
+        __m256i h = lane_sums_of(q);
+        h = _mm256_hadd_epi32(h, h);
+        h = _mm256_hadd_epi32(h, h);
+        a.sums16[at / 16] = static_cast<int16_t>(_mm256_extract_epi32(h, 0));
+        a.sums16[at / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(h, 4));
+      }
+    }
+}
 
 template <typename T>
 void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offset, Activations& a) {
@@ -76,28 +139,16 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
   a.base.assign(M * Kp / 4, 0);
   a.sums.assign(M * Kp / kChunk, 0.0f);
   a.lane_sums.assign(M * Kp / 4, 0.0f);
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K / kChunk; ++c) {
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(x + m * K + c * kChunk + 8 * i));
-      const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
-                                         _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
-      __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-      amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
-      const float amax = _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+      const float amax = amax32(v);
       const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      // round(x / dx) to nearest even (vcvtps2dq, as lrintf in the default rounding mode), then
-      // narrowed to bytes in order (the packs interleave 128-bit halves; the permute undoes it).
-      __m256i q32[4];
-      for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
-      const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
-      const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b),
-                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const __m256i q = quantize32(v, inv);
       const int64_t at = m * Kp + c * kChunk;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + at), q);
-      // Each 4-value lane's sum of qx: bytes times one, pairs summed to int16, then to int32.
-      const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+      const __m256i lanes = lane_sums_of(q);
       _mm256_storeu_ps(a.scale.data() + at / 4, _mm256_set1_ps(d));
       _mm256_storeu_ps(a.lane_sums.data() + at / 4, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
@@ -107,11 +158,120 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
       total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xb1));
       a.sums[at / kChunk] = d * static_cast<float>(_mm_cvtsi128_si32(total));
     }
+  if (K % 256 == 0) {
+    quantize_superblocks(x, M, K, a);
+  } else {
+    a.q256.clear();
+    a.scale256.clear();
+    a.sums16.clear();
+  }
 }
 
-// res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart).
+// Vector v's int16 lanes of a super-block's sixteen scales s16 (IntScales): each pair of values
+// (a maddubs lane) takes the scale of its 16 values. 512 bits: vector v is values 64v .. 64v + 63,
+// lane l scale 4v + l / 8; 256 bits: values 32v .. 32v + 31, lanes 0-7 scale 2v, 8-15 scale 2v + 1.
+inline IV spread_scales(__m256i s16, int v) {
+#if defined(NANOSERVE_QUANT_ZMM)
+  const __m512i lane = _mm512_setr_epi32(0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00090008, 0x000b000a,
+                                         0x000d000c, 0x000f000e, 0x00110010, 0x00130012, 0x00150014, 0x00170016,
+                                         0x00190018, 0x001b001a, 0x001d001c, 0x001f001e);  // int16 lane l holds l
+  const __m512i index = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(4 * v)), _mm512_srli_epi16(lane, 3));
+  return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(s16));
+#else
+  const __m256i pair = _mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(v));  // scales 2v, 2v + 1 in each dword
+  return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3,
+                                                    2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+#endif
+}
+
+// dot_block for the superblock_int formats: x's rows quantized per 256 values (q256, one dx per
+// super-block), each super-block of each (row of W, row of x) accumulated in int32 lanes:
+// vpmaddubsw of W's u and qx (u <= 63, |qx| <= 127: no saturation), then vpdpwssd (vpmaddwd + add
+// on plain AVX2) with the sub-block scales as int16, starting from -offset * sum_i s16[i] *
+// sums16[i]; then converted to fp32 once and multiplied in by d * dx. The mins (q4_k, q5_k, q2_k)
+// the same way: sum_i m16[i] * sums16[i] in int32, times -dmin * dx, into an accumulator of their
+// own (eight lanes). Each output is reduce(its accumulator) + reduce8(its mins' accumulator).
+// The integer sums are exact, so their order is free; the fp32 steps are one per super-block, in
+// the same order for every (row of W, row of x) whatever NW and MX.
 template <int Q, int NW, int MX>
-void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
+void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
+                    float (*res)[4]) {
+  static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
+  using G = Group<Q>;
+  constexpr int64_t bytes = layout(Q).bytes;
+  constexpr bool mins = Q == kQ4_K || Q == kQ5_K || Q == kQ2_K;
+  constexpr int offset = offset_of(Q);
+  FV acc[NW][MX];
+  __m256 acc_mins[NW][MX];
+  for (int j = 0; j < NW; ++j)
+    for (int m = 0; m < MX; ++m) {
+      acc[j][m] = fzero();
+      acc_mins[j][m] = _mm256_setzero_ps();
+    }
+  for (int64_t k = 0; k < K; k += 256) {
+    const int64_t g = k / 256;
+    for (int j = NW; j < 2 * NW; ++j)  // the next rows' same stretch, as in dot_block
+      for (int64_t at = g * bytes; at < (g + 1) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+    IntScales sc[NW];
+    G grp[NW];  // only p is set: uv(v) reads nothing else (the fp32 scales are not wanted here)
+    for (int j = 0; j < NW; ++j) {
+      sc[j] = int_scales<Q>(w + j * row_bytes + g * bytes);
+      grp[j].p = w + j * row_bytes + g * bytes;
+    }
+    // Row m's start for (row j of W, row m of x): -offset * sum_i s16[i] * sums16[i]; its mins'
+    // part into acc_mins. Its end: the int32 lanes to fp32, times d * dx, into acc.
+    const auto start = [&](int j, int m, __m256i sums, float dx) -> IV {
+      if constexpr (mins)
+        acc_mins[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc[j].m16, sums)),
+                                         _mm256_set1_ps(-sc[j].dmin * dx), acc_mins[j][m]);
+      if constexpr (offset == 0) return izero();
+      return widen(_mm256_mullo_epi32(_mm256_madd_epi16(sc[j].s16, sums), _mm256_set1_epi32(-offset)));
+    };
+    const auto row_sums = [&](int m) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums16.data() + (m0 + m) * (K / 16) + k / 16));
+    };
+    constexpr int vectors = 256 / kVecValues;
+    if constexpr (MX == 1) {  // W unpacked vector by vector (NW accumulators live)
+      const float dx = a.scale256[m0 * (K / 256) + g];
+      const __m256i sums = row_sums(0);
+      IV isum[NW];
+      for (int j = 0; j < NW; ++j) isum[j] = start(j, 0, sums, dx);
+#pragma GCC unroll 8
+      for (int v = 0; v < vectors; ++v) {
+        const IV xq = load_i(a.q256.data() + m0 * K + k + v * kVecValues);
+        for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(grp[j].uv(v), xq), spread_scales(sc[j].s16, v));
+      }
+      for (int j = 0; j < NW; ++j) acc[j][0] = fma(to_fp32(isum[j]), fset1(sc[j].d * dx), acc[j][0]);
+    } else {  // the super-block of NW rows unpacked once, then each row of x against it
+      IV u[vectors][NW], s[vectors][NW];
+#pragma GCC unroll 8
+      for (int v = 0; v < vectors; ++v)
+        for (int j = 0; j < NW; ++j) {
+          u[v][j] = grp[j].uv(v);
+          s[v][j] = spread_scales(sc[j].s16, v);
+        }
+      for (int m = 0; m < MX; ++m) {
+        const float dx = a.scale256[(m0 + m) * (K / 256) + g];
+        const __m256i sums = row_sums(m);
+        IV isum[NW];
+        for (int j = 0; j < NW; ++j) isum[j] = start(j, m, sums, dx);
+#pragma GCC unroll 8
+        for (int v = 0; v < vectors; ++v) {
+          const IV xq = load_i(a.q256.data() + (m0 + m) * K + k + v * kVecValues);
+          for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(u[v][j], xq), s[v][j]);
+        }
+        for (int j = 0; j < NW; ++j) acc[j][m] = fma(to_fp32(isum[j]), fset1(sc[j].d * dx), acc[j][m]);
+      }
+    }
+  }
+  for (int j = 0; j < NW; ++j)
+    for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]) + (mins ? reduce8(acc_mins[j][m]) : 0.0f);
+}
+
+// res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart):
+// the formats of 32-value chunks (and iq4_xs), x quantized per chunk.
+template <int Q, int NW, int MX>
+void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
                float (*res)[4]) {
   static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
   using G = Group<Q>;
@@ -183,6 +343,15 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
   }
   for (int j = 0; j < NW; ++j)
     for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]);
+}
+
+// res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart).
+template <int Q, int NW, int MX>
+void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K, float (*res)[4]) {
+  if constexpr (superblock_int(Q))
+    superblock_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
+  else
+    chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
 }
 
 // Output columns [n0, n0 + NW) for all M rows, up to kRowsX rows of x at a time.
