@@ -9,14 +9,19 @@
 // Activations are quantized per product, row by row, in blocks of 32: dx = max|x| / 127, qx =
 // round(x / dx) in [-127, 127]. A 32-value stretch ("chunk") of a row of W then contributes
 //   sum_i w_i x_i ~= dx * (scale * (sum_i u_i qx_i - offset * sum_i qx_i) - min * sum_i qx_i)
-// where the integer sums are exact. llama.cpp quantizes activations for its k-quants in blocks of
-// 256 (one scale) and multiplies the sub-block scales in as integers; here every 4-value lane's
-// int32 sum goes through one fp32 multiply-add with its (W scale * x scale) anyway, so blocks of 32
-// cost nothing more and keep the activations more precise. Per activation row we keep: qx (int8),
-// the scale of each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product
-// instruction starts from it, so the offset costs no instruction), dx * sum(qx) per chunk (for the
-// k-quants' mins) and dx * the lane's sum of qx (for q4_1's, q5_1's and q2_k's mins, one fma per
-// vector).
+// where the integer sums are exact (chunk_dot). Per activation row we keep: qx (int8), the scale of
+// each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product instruction
+// starts from it, so the offset costs no instruction) and dx * the lane's sum of qx (for q4_1's and
+// q5_1's mins, one fma per vector).
+//
+// The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
+// take llama.cpp's form instead (superblock_dot): x quantized again in blocks of 256, one dx per
+// super-block (q256, scale256) with each 16 values' sum of qx (sums16), so that a whole super-block
+// of W against x sums in int32, the sub-block scales multiplied in as integers (vpmaddubsw, then
+// vpdpwssd / vpmaddwd), and goes through fp32 once: at one row of x that does per 64 values an
+// unpack, a scale spread and two integer instructions, where a 32-value chunk's int32 lanes need a
+// conversion, a multiply and a multiply-add more. The price is precision: amax per 256 values
+// rather than per 32.
 //
 // The dot products: with AVX512-VNNI, vpdpbusd multiplies 64 unsigned bytes of W by 64 signed
 // bytes of x and adds each group of four into 16 int32 lanes (two chunks per instruction); with
@@ -64,7 +69,6 @@ struct Activations {
   std::vector<int8_t> q;      // [M, Kp]
   std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
   std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
-  std::vector<float> sums;    // [M, Kp / 32]: dx * the chunk's sum of qx
   std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
   // The same rows quantized per super-block of 256 values (one dx each) for the superblock_int
   // formats; filled when K is a multiple of 256 (then Kp == K), else empty.
@@ -137,7 +141,6 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
   a.q.assign(M * Kp, 0);
   a.scale.assign(M * Kp / 4, 0.0f);
   a.base.assign(M * Kp / 4, 0);
-  a.sums.assign(M * Kp / kChunk, 0.0f);
   a.lane_sums.assign(M * Kp / 4, 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K / kChunk; ++c) {
@@ -153,10 +156,6 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
       _mm256_storeu_ps(a.lane_sums.data() + at / 4, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
                           _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset)));
-      __m128i total = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
-      total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4e));
-      total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xb1));
-      a.sums[at / kChunk] = d * static_cast<float>(_mm_cvtsi128_si32(total));
     }
   if (K % 256 == 0) {
     quantize_superblocks(x, M, K, a);
@@ -213,10 +212,10 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
     for (int j = NW; j < 2 * NW; ++j)  // the next rows' same stretch, as in dot_block
       for (int64_t at = g * bytes; at < (g + 1) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
     IntScales sc[NW];
-    G grp[NW];  // only p is set: uv(v) reads nothing else (the fp32 scales are not wanted here)
+    G grp[NW];
     for (int j = 0; j < NW; ++j) {
       sc[j] = int_scales<Q>(w + j * row_bytes + g * bytes);
-      grp[j].p = w + j * row_bytes + g * bytes;
+      grp[j] = G(w + j * row_bytes + g * bytes);
     }
     // Row m's start for (row j of W, row m of x): -offset * sum_i s16[i] * sums16[i]; its mins'
     // part into acc_mins. Its end: the int32 lanes to fp32, times d * dx, into acc.
@@ -335,11 +334,6 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
         }
       }
     }
-    if constexpr (has_mins(Q))  // - sum_c min_c * dx * sum(qx of chunk c), in the lanes of the accumulator
-      for (int m = 0; m < MX; ++m) {
-        const FV sums = G::place_sums(_mm256_loadu_ps(a.sums.data() + ((m0 + m) * Kp + k) / kChunk));
-        for (int j = 0; j < NW; ++j) acc[j][m] = fma(ga[j].min_lanes(), -sums, acc[j][m]);
-      }
   }
   for (int j = 0; j < NW; ++j)
     for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]);
