@@ -15,13 +15,15 @@
 // q5_1's mins, one fma per vector).
 //
 // The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
-// take llama.cpp's form instead (superblock_dot): x quantized again in blocks of 256, one dx per
-// super-block (q256, scale256) with each 16 values' sum of qx (sums16), so that a whole super-block
-// of W against x sums in int32, the sub-block scales multiplied in as integers (vpmaddubsw, then
-// vpdpwssd / vpmaddwd), and goes through fp32 once: at one row of x that does per 64 values an
-// unpack, a scale spread and two integer instructions, where a 32-value chunk's int32 lanes need a
-// conversion, a multiply and a multiply-add more. The price is precision: amax per 256 values
-// rather than per 32.
+// take a form like llama.cpp's instead (superblock_dot): x quantized again with each chunk's dx a
+// whole multiple k_c of its super-block's unit (max|x| of the 256 values / (127 kSubScales)), with
+// each 16 values' sum of qx (sums16), so that a whole super-block of W against x sums in int32,
+// W's sub-block scales times the chunks' k_c multiplied in as integers (vpmaddubsw, then vpdpwssd
+// / vpmaddwd), and goes through fp32 once (times d * unit): at one row of x that does per 64 values
+// an unpack, a scale spread and two integer instructions, where a 32-value chunk's int32 lanes need
+// a conversion, a multiply and a multiply-add more. llama.cpp takes one dx per 256 values (k_c = 1
+// throughout), which gives a chunk of small values the step of the largest; here a chunk's step is
+// at most max|x_c| / 127 + unit.
 //
 // The dot products: with AVX512-VNNI, vpdpbusd multiplies 64 unsigned bytes of W by 64 signed
 // bytes of x and adds each group of four into 16 int32 lanes (two chunks per instruction); with
@@ -49,6 +51,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -61,6 +64,10 @@
 namespace {
 
 constexpr int kRowsX = 8;  // rows of x per pass over a group of W's rows, at most
+// The steps of a chunk's activation scale within its super-block's (superblock_dot): with W's
+// sub-block scales (|s| <= 128) their products stay within int16 and a super-block's int32 sums
+// within 2^31.
+constexpr int kSubScales = 32;
 
 // The activation rows of one product, quantized for format Q (see the header comment), K padded
 // with zeros to Kp, a multiple of the vector and of the group.
@@ -70,10 +77,12 @@ struct Activations {
   std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
   std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
   std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
-  // The same rows quantized per super-block of 256 values (one dx each) for the superblock_int
-  // formats; filled when K is a multiple of 256 (then Kp == K), else empty.
+  // The same rows quantized for the superblock_int formats, chunk c of a super-block with
+  // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled when K is a multiple of 256 (then
+  // Kp == K), else empty.
   std::vector<int8_t> q256;     // [M, Kp]
-  std::vector<float> scale256;  // [M, Kp / 256]: dx
+  std::vector<float> unit;      // [M, Kp / 256]: the super-block's max|x| / (127 kSubScales)
+  std::vector<int16_t> k16;     // [M, Kp / 16]: k_c of the chunk that holds each 16 values
   std::vector<int16_t> sums16;  // [M, Kp / 16]: each 16 values' sum of qx
 };
 
@@ -101,24 +110,31 @@ inline __m256i lane_sums_of(__m256i q) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
 }
 
-// Activations' super-block fields (q256, scale256, sums16) of x [M, K], K a multiple of 256.
+// Activations' super-block fields (q256, unit, k16, sums16) of x [M, K], K a multiple of 256: chunk c
+// of a super-block takes k_c = ceil(kSubScales max|x_c| / max|x|) (at least 1), so its step
+// unit * k_c is at most max|x_c| / 127 + unit and |qx| <= 127.
 template <typename T>
 void quantize_superblocks(const T* x, int64_t M, int64_t K, Activations& a) {
   a.q256.assign(M * K, 0);
-  a.scale256.assign(M * K / 256, 0.0f);
+  a.unit.assign(M * K / 256, 0.0f);
+  a.k16.assign(M * K / 16, 1);
   a.sums16.assign(M * K / 16, 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 256; ++b) {
       const T* src = x + m * K + b * 256;
-      float amax = 0.0f;
+      float chunk_max[8], amax = 0.0f;
       for (int c = 0; c < 8; ++c) {
         __m256 v[4];
         for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
-        amax = std::max(amax, amax32(v));
+        chunk_max[c] = amax32(v);
+        amax = std::max(amax, chunk_max[c]);
       }
-      a.scale256[m * K / 256 + b] = amax / 127.0f;
-      const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+      const float unit = amax / (127.0f * kSubScales);
+      a.unit[m * K / 256 + b] = unit;
       for (int c = 0; c < 8; ++c) {
+        const int k = amax > 0 ? std::clamp(static_cast<int>(std::ceil(kSubScales * chunk_max[c] / amax)), 1, kSubScales)
+                               : 1;
+        const float inv = amax > 0 ? 1.0f / (unit * static_cast<float>(k)) : 0.0f;
         __m256 v[4];
         for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
         const __m256i q = quantize32(v, inv);
@@ -131,6 +147,7 @@ void quantize_superblocks(const T* x, int64_t M, int64_t K, Activations& a) {
         h = _mm256_hadd_epi32(h, h);
         a.sums16[at / 16] = static_cast<int16_t>(_mm256_extract_epi32(h, 0));
         a.sums16[at / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(h, 4));
+        a.k16[at / 16] = a.k16[at / 16 + 1] = static_cast<int16_t>(k);
       }
     }
 }
@@ -161,7 +178,8 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
     quantize_superblocks(x, M, K, a);
   } else {
     a.q256.clear();
-    a.scale256.clear();
+    a.unit.clear();
+    a.k16.clear();
     a.sums16.clear();
   }
 }
@@ -183,13 +201,13 @@ inline IV spread_scales(__m256i s16, int v) {
 #endif
 }
 
-// dot_block for the superblock_int formats: x's rows quantized per 256 values (q256, one dx per
-// super-block), each super-block of each (row of W, row of x) accumulated in int32 lanes:
+// dot_block for the superblock_int formats: x's rows as quantize_superblocks writes them (q256, dx
+// = unit * k_c), each super-block of each (row of W, row of x) accumulated in int32 lanes:
 // vpmaddubsw of W's u and qx (u <= 63, |qx| <= 127: no saturation), then vpdpwssd (vpmaddwd + add
-// on plain AVX2) with the sub-block scales as int16, starting from -offset * sum_i s16[i] *
-// sums16[i]; then converted to fp32 once and multiplied in by d * dx. The mins (q4_k, q5_k, q2_k)
-// the same way: sum_i m16[i] * sums16[i] in int32, times -dmin * dx, into an accumulator of their
-// own (eight lanes). Each output is reduce(its accumulator) + reduce8(its mins' accumulator).
+// on plain AVX2) with c16[i] = s16[i] * k16[i] as int16 (|c16| <= 128 * kSubScales), starting from
+// -offset * sum_i c16[i] * sums16[i]; then converted to fp32 once and multiplied in by d * unit.
+// The mins (q4_k, q5_k, q2_k) the same way: sum_i m16[i] * k16[i] * sums16[i] in int32, times
+// -dmin * unit, into an accumulator of their own (eight lanes). Each output is reduce(its accumulator) + reduce8(its mins' accumulator).
 // The integer sums are exact, so their order is free; the fp32 steps are one per super-block, in
 // the same order for every (row of W, row of x) whatever NW and MX.
 template <int Q, int NW, int MX>
@@ -217,49 +235,55 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
       sc[j] = int_scales<Q>(w + j * row_bytes + g * bytes);
       grp[j] = G(w + j * row_bytes + g * bytes);
     }
-    // Row m's start for (row j of W, row m of x): -offset * sum_i s16[i] * sums16[i]; its mins'
-    // part into acc_mins. Its end: the int32 lanes to fp32, times d * dx, into acc.
-    const auto start = [&](int j, int m, __m256i sums, float dx) -> IV {
-      if constexpr (mins)
-        acc_mins[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc[j].m16, sums)),
-                                         _mm256_set1_ps(-sc[j].dmin * dx), acc_mins[j][m]);
-      if constexpr (offset == 0) return izero();
-      return widen(_mm256_mullo_epi32(_mm256_madd_epi16(sc[j].s16, sums), _mm256_set1_epi32(-offset)));
+    // (row j of W, row m of x): the sub-block scales times the chunks' k (c16, int16), the int32
+    // start -offset * sum_i c16[i] * sums16[i], the mins' part into acc_mins; at the end, the
+    // int32 lanes to fp32, times d * unit, into acc.
+    const auto row16 = [&](const std::vector<int16_t>& v, int m) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.data() + (m0 + m) * (K / 16) + k / 16));
     };
-    const auto row_sums = [&](int m) {
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums16.data() + (m0 + m) * (K / 16) + k / 16));
+    const auto start = [&](int j, int m, __m256i c16, __m256i k16, __m256i sums, float unit) -> IV {
+      if constexpr (mins)
+        acc_mins[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_mullo_epi16(sc[j].m16, k16), sums)),
+                                         _mm256_set1_ps(-sc[j].dmin * unit), acc_mins[j][m]);
+      if constexpr (offset == 0) return izero();
+      return widen(_mm256_mullo_epi32(_mm256_madd_epi16(c16, sums), _mm256_set1_epi32(-offset)));
     };
     constexpr int vectors = 256 / kVecValues;
     if constexpr (MX == 1) {  // W unpacked vector by vector (NW accumulators live)
-      const float dx = a.scale256[m0 * (K / 256) + g];
-      const __m256i sums = row_sums(0);
+      const float unit = a.unit[m0 * (K / 256) + g];
+      const __m256i k16 = row16(a.k16, 0), sums = row16(a.sums16, 0);
       IV isum[NW];
-      for (int j = 0; j < NW; ++j) isum[j] = start(j, 0, sums, dx);
+      __m256i c16[NW];
+      for (int j = 0; j < NW; ++j) {
+        c16[j] = _mm256_mullo_epi16(sc[j].s16, k16);
+        isum[j] = start(j, 0, c16[j], k16, sums, unit);
+      }
 #pragma GCC unroll 8
       for (int v = 0; v < vectors; ++v) {
         const IV xq = load_i(a.q256.data() + m0 * K + k + v * kVecValues);
-        for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(grp[j].uv(v), xq), spread_scales(sc[j].s16, v));
+        for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(grp[j].uv(v), xq), spread_scales(c16[j], v));
       }
-      for (int j = 0; j < NW; ++j) acc[j][0] = fma(to_fp32(isum[j]), fset1(sc[j].d * dx), acc[j][0]);
+      for (int j = 0; j < NW; ++j) acc[j][0] = fma(to_fp32(isum[j]), fset1(sc[j].d * unit), acc[j][0]);
     } else {  // the super-block of NW rows unpacked once, then each row of x against it
-      IV u[vectors][NW], s[vectors][NW];
+      IV u[vectors][NW];
 #pragma GCC unroll 8
       for (int v = 0; v < vectors; ++v)
-        for (int j = 0; j < NW; ++j) {
-          u[v][j] = grp[j].uv(v);
-          s[v][j] = spread_scales(sc[j].s16, v);
-        }
+        for (int j = 0; j < NW; ++j) u[v][j] = grp[j].uv(v);
       for (int m = 0; m < MX; ++m) {
-        const float dx = a.scale256[(m0 + m) * (K / 256) + g];
-        const __m256i sums = row_sums(m);
+        const float unit = a.unit[(m0 + m) * (K / 256) + g];
+        const __m256i k16 = row16(a.k16, m), sums = row16(a.sums16, m);
         IV isum[NW];
-        for (int j = 0; j < NW; ++j) isum[j] = start(j, m, sums, dx);
+        __m256i c16[NW];
+        for (int j = 0; j < NW; ++j) {
+          c16[j] = _mm256_mullo_epi16(sc[j].s16, k16);
+          isum[j] = start(j, m, c16[j], k16, sums, unit);
+        }
 #pragma GCC unroll 8
         for (int v = 0; v < vectors; ++v) {
           const IV xq = load_i(a.q256.data() + (m0 + m) * K + k + v * kVecValues);
-          for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(u[v][j], xq), s[v][j]);
+          for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(u[v][j], xq), spread_scales(c16[j], v));
         }
-        for (int j = 0; j < NW; ++j) acc[j][m] = fma(to_fp32(isum[j]), fset1(sc[j].d * dx), acc[j][m]);
+        for (int j = 0; j < NW; ++j) acc[j][m] = fma(to_fp32(isum[j]), fset1(sc[j].d * unit), acc[j][m]);
       }
     }
   }
