@@ -19,8 +19,9 @@
 //
 // Invariants: every dequantization here gives each value as ggml computes it, (d * scale) * q -
 // dmin * min, so the SIMD rows (dequantize_row) and the scalar blocks (dequantize_block) give the
-// same bits; a group's u(c) / uv(v) and s(c) / sv(v) give chunk c's (vector v's) bytes and lane
-// scales in the order the activations are laid out (value i of a chunk in byte i).
+// same bits; a group's u(c) / uv(v) and (chunk_dot's groups) s(c) / sv(v) give chunk c's (vector
+// v's) bytes and lane scales in the order the activations are laid out (value i of a chunk in byte
+// i); int_scales gives a superblock_int format's sub-block scales and mins as integers, exactly.
 
 #pragma once
 
@@ -548,7 +549,7 @@ struct Group<kQ2_K> {
 
 // The 256-value formats whose products accumulate each super-block in int32 (quant_dot.h's
 // superblock_dot): their u fit vpmaddubsw (u <= 63, no saturation) and their sub-block scales and
-// mins are small integers. (iq4_xs's u = table + 128 would saturate it: it keeps dot_block.)
+// mins are small integers. (iq4_xs's u = table + 128 would saturate it: it keeps chunk_dot.)
 constexpr bool superblock_int(int qtype) {
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K || qtype == kQ2_K;
 }
