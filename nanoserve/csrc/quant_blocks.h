@@ -19,8 +19,9 @@
 //
 // Invariants: every dequantization here gives each value as ggml computes it, (d * scale) * q -
 // dmin * min, so the SIMD rows (dequantize_row) and the scalar blocks (dequantize_block) give the
-// same bits; a group's u(c) / uv(v) and s(c) / sv(v) give chunk c's (vector v's) bytes and lane
-// scales in the order the activations are laid out (value i of a chunk in byte i).
+// same bits; a group's u(c) / uv(v) and (chunk_dot's groups) s(c) / sv(v) give chunk c's (vector
+// v's) bytes and lane scales in the order the activations are laid out (value i of a chunk in byte
+// i); int_scales gives a superblock_int format's sub-block scales and mins as integers, exactly.
 
 #pragma once
 
@@ -101,10 +102,22 @@ inline void k_scales(const uint8_t* p, uint64_t* scales, uint64_t* mins) {
 
 // iq4_xs's eight 6-bit sub-block scales (value ls - 32, signed) at block p: the low nibbles in bytes
 // 4-7 (sub-block 2i low, 2i + 1 high nibble of byte 4 + i), the top two bits in the uint16 at 2.
+// With BMI2, on one 64-bit word: the nibbles and the bit pairs deposited into their bytes (pdep),
+// then ls - 32 as q3_k_scales takes sc - 32 (bit 5 flipped, then sign-extended from it).
 inline void iq4_xs_scales(const uint8_t* p, int8_t* ls) {
   const unsigned high = p[2] | static_cast<unsigned>(p[3]) << 8;
+#if defined(__BMI2__) && defined(__AVX2__)
+  uint32_t nibbles;
+  std::memcpy(&nibbles, p + 4, sizeof nibbles);
+  const uint64_t flip = 0x2020202020202020ull;
+  uint64_t w = (_pdep_u64(nibbles, 0x0f0f0f0f0f0f0f0full) | _pdep_u64(high, 0x3030303030303030ull)) ^ flip;
+  const uint64_t sign = w & flip;
+  w |= sign << 1 | sign << 2;
+  std::memcpy(ls, &w, sizeof w);
+#else
   for (int c = 0; c < 8; ++c)
     ls[c] = static_cast<int8_t>((((p[4 + c / 2] >> (4 * (c % 2))) & 0xf) | (((high >> (2 * c)) & 3) << 4)) - 32);
+#endif
 }
 
 // q3_k's sixteen 6-bit scales (value sc - 32, signed) at its 12 scale bytes p: scale i takes its low
@@ -252,10 +265,10 @@ inline __m256 lanes_of(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm
 
 // Whether a format's values are signed bytes looked up or stored as they are (its u on plain AVX2,
 // kSignTrick, where u + 128 would saturate vpmaddubsw), the offset each format's u carries (folded
-// into the activation rows), whether it has a min per chunk (has_mins: the k-quants' mins, times the
-// activation's chunk sums) or per block of 32 or 16 values (has_lane_mins: what the group adds to
-// each value, q4_1's and q5_1's m, q2_k's -dmin * min, in the lanes of its values (mv, pair_mins),
-// times the activation's lane sums).
+// into the activation rows), whether its values have a min (has_mins: q4_1, q5_1 and the k-quants
+// q4_k, q5_k, q2_k) and whether chunk_dot takes it lane by lane (has_lane_mins: q4_1's and q5_1's
+// m, what the block adds to each value, in the lanes of its values (mv, pair_mins), times the
+// activation's lane sums; the k-quants' mins are superblock_dot's).
 constexpr bool signed_values(int qtype) { return qtype == kQ8_0 || qtype == kIQ4_NL || qtype == kIQ4_XS; }
 constexpr int offset_of(int qtype) {
   return signed_values(qtype) ? (kSignTrick ? 0 : 128)
@@ -265,8 +278,8 @@ constexpr int offset_of(int qtype) {
          : qtype == kQ3_K     ? 4
                               : 0;
 }
-constexpr bool has_mins(int qtype) { return qtype == kQ4_K || qtype == kQ5_K; }
-constexpr bool has_lane_mins(int qtype) { return qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ2_K; }
+constexpr bool has_lane_mins(int qtype) { return qtype == kQ4_1 || qtype == kQ5_1; }
+constexpr bool has_mins(int qtype) { return has_lane_mins(qtype) || qtype == kQ4_K || qtype == kQ5_K || qtype == kQ2_K; }
 
 // The 32 bits of `bits` as bytes: byte i is 0x10 where bit i is set, else 0 (q5_0's and q5_1's fifth
 // bits in place). Each byte takes the byte of `bits` that holds its bit, then tests its bit there.
@@ -293,11 +306,13 @@ inline __m256i nibbles16(const uint8_t* p) {
 }
 
 // One group of W's blocks (one block: 32 or 256 values, `values`), decoded for the dot products:
-// u(c) chunk c's 32 unsigned bytes, s(c) its 8 lane scales (one per 4 values); uv(v), sv(v) the
-// same for vector v of the path (two chunks with NANOSERVE_QUANT_ZMM), except that the 32-value
-// formats there pair two groups in a vector (u(0) of each, pair_scales); q4_k / q5_k also give their
-// mins (min_lanes, place_sums), q4_1 / q5_1 / q2_k theirs lane by lane (mv, pair_mins). Built from
-// the block's address once per group, then read per vector.
+// u(c) chunk c's 32 unsigned bytes; uv(v) the same for vector v of the path (two chunks with
+// NANOSERVE_QUANT_ZMM), except that the 32-value formats there pair two groups in a vector (u(0)
+// of each, pair_scales). The groups that chunk_dot reads (the 32-value formats and iq4_xs) also
+// give s(c) / sv(v), the 8 lane scales of a chunk (one per 4 values) or vector, and q4_1 / q5_1
+// their mins lane by lane (mv, pair_mins); the superblock_int formats' scales are int_scales'
+// (their groups are the unpacking of u only). Built from the block's address once per group, then
+// read per vector.
 //
 // The template itself is the group of the 32-value formats, one block: its fp16 scale d, then
 // (q4_1, q5_1) the fp16 min m, (q5_0, q5_1) 32 fifth bits (bit i tops value i), then the quants:
@@ -353,46 +368,14 @@ struct Group {
 #endif
 };
 
-// q4_k and q5_k: scales d * sc[c] and mins dmin * mn[c] per chunk c, in lanes 0-7 and 8-15 of
-// `both` (512-bit vectors) or in `scale8` and `min8`. min_lanes() holds the mins in the lanes where
-// place_sums puts the activation's chunk sums (the rest zero there).
+// q4_k and q5_k: chunk c's nibbles are the low (c even) or high (c odd) ones of the 32 bytes at
+// qs + 32 (c / 2), q5_k's topped (bit 4) by bit c of the 32 bytes at 16.
 template <int Q>
 struct KGroup {
   static constexpr int64_t values = 256;
   const uint8_t* p;
-#if defined(NANOSERVE_QUANT_ZMM)
-  __m512 both;
   KGroup() = default;
-  explicit KGroup(const uint8_t* block) : p(block) {
-    uint64_t sc, mn;
-    k_scales(block + 4, &sc, &mn);
-    const __m512 ints = _mm512_cvtepi32_ps(
-        _mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<int64_t>(mn), static_cast<int64_t>(sc))));
-    uint32_t d_dmin;
-    std::memcpy(&d_dmin, block, sizeof d_dmin);
-    const __m512 factors = _mm512_permutexvar_ps(  // d in lanes 0-7, dmin in 8-15
-        _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
-        _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(d_dmin)))));
-    both = _mm512_mul_ps(factors, ints);
-  }
-  __m256 scales() const { return _mm512_castps512_ps256(both); }
-  FV min_lanes() const { return both; }
-  static FV place_sums(__m256 sums) { return _mm512_insertf32x8(_mm512_setzero_ps(), sums, 1); }
-#else
-  __m256 scale8, min8;
-  KGroup() = default;
-  explicit KGroup(const uint8_t* block) : p(block) {
-    uint64_t sc, mn;
-    k_scales(block + 4, &sc, &mn);
-    scale8 = _mm256_mul_ps(_mm256_set1_ps(fp16(block)),
-                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))));
-    min8 = _mm256_mul_ps(_mm256_set1_ps(fp16(block + 2)),
-                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
-  }
-  __m256 scales() const { return scale8; }
-  FV min_lanes() const { return min8; }
-  static FV place_sums(__m256 sums) { return sums; }
-#endif
+  explicit KGroup(const uint8_t* block) : p(block) {}
   __m256i u(int c) const {
     constexpr int64_t qs = Q == kQ5_K ? 48 : 16;
     const __m256i q = load32(p + qs + 32 * (c / 2));
@@ -404,13 +387,12 @@ struct KGroup {
     }
     return n;
   }
-  __m256 s(int c) const { return lanes_of(scales(), c); }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v (low nibbles) and 2v + 1 (high nibbles) of the same 32 bytes
     constexpr int64_t qs = Q == kQ5_K ? 48 : 16;
     const __m512i q = _mm512_broadcast_i64x4(load32(p + qs + 32 * v));
-    const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    const __m512i n = _mm512_and_si512(_mm512_srlv_epi16(q, halves), _mm512_set1_epi8(0x0f));
+    // The upper half shifted by 4 (a masked shift by an immediate), then both halves masked.
+    const __m512i n = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), _mm512_set1_epi8(0x0f));
     if constexpr (Q == kQ5_K) {
       const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<int16_t>(2 * v))),
                                                _mm256_set1_epi16(static_cast<int16_t>(2 * v + 1)), 1);
@@ -420,14 +402,8 @@ struct KGroup {
     }
     return n;
   }
-  FV sv(int v) const {
-    const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * v)),
-                                             _mm256_set1_epi32(2 * v + 1), 1);
-    return _mm512_permutexvar_ps(lanes, both);
-  }
 #else
   IV uv(int v) const { return u(v); }
-  FV sv(int v) const { return s(v); }
 #endif
 };
 template <>
@@ -440,29 +416,11 @@ struct Group<kQ5_K> : KGroup<kQ5_K> {
 };
 
 template <>
-struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0-3 and 4-7 take 2c, 2c + 1
+struct Group<kQ6_K> {  // chunk c: group g = c % 4 of half c / 4 (see dequantize_block)
   static constexpr int64_t values = 256;
   const uint8_t* p;
-#if defined(NANOSERVE_QUANT_ZMM)
-  __m512 all;  // the 16 scales
   Group() = default;
-  explicit Group(const uint8_t* block)
-      : p(block),
-        all(_mm512_mul_ps(_mm512_set1_ps(fp16(block + 208)),
-                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)))))) {}
-  __m256 half(int h) const { return h == 0 ? _mm512_castps512_ps256(all) : _mm512_extractf32x8_ps(all, 1); }
-#else
-  __m256 scales[2];
-  Group() = default;
-  explicit Group(const uint8_t* block) : p(block) {
-    const __m256 d = _mm256_set1_ps(fp16(block + 208));
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
-    scales[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-    scales[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-  }
-  __m256 half(int h) const { return scales[h]; }
-#endif
+  explicit Group(const uint8_t* block) : p(block) {}
   // Group g's two high bits (bits 2g, 2g + 1 of each qh byte) moved to bits 4-5 by one shift of the
   // 16-bit lanes, left by 4 - 2g or right by 2g - 4 (what crosses into the neighbouring byte lands
   // outside bits 4-5 there), then masked.
@@ -476,10 +434,6 @@ struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0
     const __m256i ql = load32(p + 64 * h + 32 * (g % 2));
     const __m256i low = g < 2 ? low_nibbles(ql) : high_nibbles(ql);
     return _mm256_or_si256(low, top_bits(load32(p + 128 + 32 * h), g));
-  }
-  __m256 s(int c) const {
-    const int i = 2 * (c % 4);
-    return _mm256_permutevar8x32_ps(half(c / 4), _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
   }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v, 2v + 1: groups g, g + 1 of half v / 2 (g = 2 (v % 2)), ql runs 0 and 1
@@ -495,15 +449,8 @@ struct Group<kQ6_K> {  // scales d * sc[i], one per 16 values: chunk c's lanes 0
                                          _mm512_set1_epi8(0x30));
     return _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi8(0x0f), 0xec);
   }
-  FV sv(int v) const {  // lane l: scale 4v + l / 4
-    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * v),
-                                           _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                                               12, 13, 14, 15), 2));
-    return _mm512_permutexvar_ps(lanes, all);
-  }
 #else
   IV uv(int v) const { return u(v); }
-  FV sv(int v) const { return s(v); }
 #endif
 };
 
@@ -544,52 +491,6 @@ struct Group<kIQ4_XS> {
 #endif
 };
 
-// Sixteen values of a 256-value group, one per 16 of its values (q3_k's and q2_k's scales, q2_k's
-// mins), as fp32 d * v[i]: in(c) those of chunk c in its lanes (lanes 0-3 value 2c, lanes 4-7 value
-// 2c + 1), inv(v) those of vector v of the path, laid out as q6_k's scales.
-struct Sixteen {
-#if defined(NANOSERVE_QUANT_ZMM)
-  __m512 all;
-  Sixteen() = default;
-  Sixteen(float d, __m512i v) : all(_mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(v))) {}
-  __m256 half(int h) const { return h == 0 ? _mm512_castps512_ps256(all) : _mm512_extractf32x8_ps(all, 1); }
-#else
-  __m256 halves[2];
-  Sixteen() = default;
-  Sixteen(float d, __m256i lo, __m256i hi)
-      : halves{_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lo)),
-               _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(hi))} {}
-  __m256 half(int h) const { return halves[h]; }
-#endif
-  __m256 in(int c) const {
-    const int i = 2 * (c % 4);
-    return _mm256_permutevar8x32_ps(half(c / 4), _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1));
-  }
-#if defined(NANOSERVE_QUANT_ZMM)
-  FV inv(int v) const {  // lane l: value 4v + l / 4
-    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * v),
-                                           _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                                               12, 13, 14, 15), 2));
-    return _mm512_permutexvar_ps(lanes, all);
-  }
-#else
-  FV inv(int v) const { return in(v); }
-#endif
-};
-
-// Sixteen of the int8 (signed) or uint8 bytes at p.
-template <bool signed_bytes>
-inline Sixteen sixteen(float d, const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-#if defined(NANOSERVE_QUANT_ZMM)
-  return Sixteen(d, signed_bytes ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-#else
-  const __m128i hi = _mm_srli_si128(b, 8);
-  return signed_bytes ? Sixteen(d, _mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(hi))
-                      : Sixteen(d, _mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(hi));
-#endif
-}
-
 // The two bits at 2 (c % 4) of the 32 bytes at q + 32 (c / 4) (q3_k's and q2_k's low bits of chunk
 // c): a shift of the 16-bit lanes, then a mask (the bits wanted stay within their byte).
 inline __m256i two_bits(const uint8_t* q, int c) {
@@ -608,25 +509,17 @@ inline __m512i shifted_pair(const uint8_t* p, int lo, int hi, char mask) {
 #endif
 
 // q3_k: value 32c + l has u = its two bits of qs[32 (c / 4) + l] (the 64 bytes at 32) at bit
-// 2 (c % 4), topped (bit 2) by bit c of hmask[l] (the 32 bytes at 0), offset 4; sixteen scales
-// d * sc[i] (q3_k_scales), one per 16 values.
+// 2 (c % 4), topped (bit 2) by bit c of hmask[l] (the 32 bytes at 0), offset 4.
 template <>
 struct Group<kQ3_K> {
   static constexpr int64_t values = 256;
   const uint8_t* p;
-  Sixteen scales;
   Group() = default;
-  explicit Group(const uint8_t* block) : p(block) {
-    int8_t sc[16];
-    q3_k_scales(block + 96, sc);
-    scales = sixteen<true>(fp16(block + 108), reinterpret_cast<const uint8_t*>(sc));
-  }
+  explicit Group(const uint8_t* block) : p(block) {}
   __m256i u(int c) const {
     const __m256i high = _mm256_and_si256(_mm256_srl_epi16(load32(p), _mm_cvtsi32_si128(c)), _mm256_set1_epi8(1));
     return _mm256_or_si256(two_bits(p + 32, c), _mm256_slli_epi16(high, 2));
   }
-  __m256 s(int c) const { return scales.in(c); }
-  FV sv(int v) const { return scales.inv(v); }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v, 2v + 1: the same 32 bytes of qs and of hmask, each shifted two ways
     const __m512i low = shifted_pair(p + 32 + 32 * (v / 2), 4 * (v % 2), 4 * (v % 2) + 2, 3);
@@ -639,33 +532,79 @@ struct Group<kQ3_K> {
 };
 
 // q2_k: value 32c + l has u = its two bits of qs[32 (c / 4) + l] (the 64 bytes at 16) at bit
-// 2 (c % 4), offset 0; per 16 values i a scale d * (sc[i] & 15) and a min dmin * (sc[i] >> 4) (the
-// 16 bytes sc at 0, d at 80, dmin at 82); mv(v) what vector v's lanes add, -dmin * (sc[i] >> 4).
+// 2 (c % 4), offset 0.
 template <>
 struct Group<kQ2_K> {
   static constexpr int64_t values = 256;
   const uint8_t* p;
-  Sixteen scales, mins;
   Group() = default;
-  explicit Group(const uint8_t* block) : p(block) {
-    alignas(16) uint8_t sc[16], mn[16];
-    for (int i = 0; i < 16; ++i) {
-      sc[i] = block[i] & 0xf;
-      mn[i] = block[i] >> 4;
-    }
-    scales = sixteen<false>(fp16(block + 80), sc);
-    mins = sixteen<false>(-fp16(block + 82), mn);
-  }
+  explicit Group(const uint8_t* block) : p(block) {}
   __m256i u(int c) const { return two_bits(p + 16, c); }
-  __m256 s(int c) const { return scales.in(c); }
-  FV sv(int v) const { return scales.inv(v); }
-  FV mv(int v) const { return mins.inv(v); }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const { return shifted_pair(p + 16 + 32 * (v / 2), 4 * (v % 2), 4 * (v % 2) + 2, 3); }
 #else
   IV uv(int v) const { return u(v); }
 #endif
 };
+
+// The 256-value formats whose products accumulate each super-block in int32 (quant_dot.h's
+// superblock_dot): their u fit vpmaddubsw (u <= 63, no saturation) and their sub-block scales and
+// mins are small integers. (iq4_xs's u = table + 128 would saturate it: it keeps chunk_dot.)
+constexpr bool superblock_int(int qtype) {
+  return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K || qtype == kQ2_K;
+}
+
+// A super-block's scales as integers: value 16i + l (i < 16) = d * s16[i] * (u - offset) -
+// dmin * m16[i], with s16 and m16 sixteen int16 lanes (q4_k's and q5_k's per-32 scales and mins
+// each in two lanes; m16 zero for q6_k and q3_k) and d, dmin the block's fp16 factors.
+struct IntScales {
+  __m256i s16, m16;
+  float d, dmin;
+};
+
+// The two fp16 values at p (d, then dmin) as floats, in one conversion.
+inline void two_fp16(const uint8_t* p, float* d, float* dmin) {
+  uint32_t both;
+  std::memcpy(&both, p, sizeof both);
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(both)));
+  *d = _mm_cvtss_f32(f);
+  *dmin = _mm_cvtss_f32(_mm_movehdup_ps(f));
+}
+
+template <int Q>
+inline IntScales int_scales(const uint8_t* p) {
+  static_assert(superblock_int(Q), "the super-block formats only");
+  if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    // k_scales in one vector: bytes 0-3 scales 0-3 (b[0..3] & 63), 4-7 scales 4-7 (b[8..11] & 15,
+    // topped by b[0..3] >> 6), 8-11 mins 0-3 (b[4..7] & 63), 12-15 mins 4-7 (b[8..11] >> 4, topped
+    // by b[4..7] >> 6); the 16-byte load reads 4 bytes of the quants past the scales, unused.
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+    const __m128i lo = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i hi = _mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i upper = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    const __m128i both = _mm_or_si128(
+        _mm_or_si128(_mm_and_si128(lo, keep), _mm_and_si128(_mm_srli_epi16(lo, 4), upper)),
+        _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30)));
+    IntScales r{_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(both, both)),
+                _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(both, both)), 0.0f, 0.0f};  // each byte twice
+    two_fp16(p, &r.d, &r.dmin);
+    return r;
+  } else if constexpr (Q == kQ6_K) {
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192))),
+            _mm256_setzero_si256(), fp16(p + 208), 0.0f};
+  } else if constexpr (Q == kQ3_K) {
+    alignas(16) int8_t sc[16];
+    q3_k_scales(p + 96, sc);
+    return {_mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc))), _mm256_setzero_si256(),
+            fp16(p + 108), 0.0f};
+  } else {  // q2_k: byte i = scale i (low nibble) and min i (high nibble)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    IntScales r{_mm256_and_si256(b, _mm256_set1_epi16(0xf)), _mm256_srli_epi16(b, 4), 0.0f, 0.0f};
+    two_fp16(p + 80, &r.d, &r.dmin);
+    return r;
+  }
+}
 
 // Group Q's scales at block p as dequantize_block computes them: s[i] that of values 16i .. 16i + 15,
 // mins[i] (formats with mins) the min of those values (-m for q4_1's and q5_1's added m).

@@ -9,14 +9,21 @@
 // Activations are quantized per product, row by row, in blocks of 32: dx = max|x| / 127, qx =
 // round(x / dx) in [-127, 127]. A 32-value stretch ("chunk") of a row of W then contributes
 //   sum_i w_i x_i ~= dx * (scale * (sum_i u_i qx_i - offset * sum_i qx_i) - min * sum_i qx_i)
-// where the integer sums are exact. llama.cpp quantizes activations for its k-quants in blocks of
-// 256 (one scale) and multiplies the sub-block scales in as integers; here every 4-value lane's
-// int32 sum goes through one fp32 multiply-add with its (W scale * x scale) anyway, so blocks of 32
-// cost nothing more and keep the activations more precise. Per activation row we keep: qx (int8),
-// the scale of each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product
-// instruction starts from it, so the offset costs no instruction), dx * sum(qx) per chunk (for the
-// k-quants' mins) and dx * the lane's sum of qx (for q4_1's, q5_1's and q2_k's mins, one fma per
-// vector).
+// where the integer sums are exact (chunk_dot). Per activation row we keep: qx (int8), the scale of
+// each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product instruction
+// starts from it, so the offset costs no instruction) and dx * the lane's sum of qx (for q4_1's and
+// q5_1's mins, one fma per vector).
+//
+// The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
+// take a form like llama.cpp's instead (superblock_dot): x quantized again with each chunk's dx a
+// whole multiple k_c of its super-block's unit (max|x| of the 256 values / (127 kSubScales)), with
+// each 16 values' sum of qx (sums16), so that a whole super-block of W against x sums in int32,
+// W's sub-block scales times the chunks' k_c multiplied in as integers (vpmaddubsw, then vpdpwssd
+// / vpmaddwd), and goes through fp32 once (times d * unit): at one row of x that does per 64 values
+// an unpack, a scale spread and two integer instructions, where a 32-value chunk's int32 lanes need
+// a conversion, a multiply and a multiply-add more. llama.cpp takes one dx per 256 values (k_c = 1
+// throughout), which gives a chunk of small values the step of the largest; here a chunk's step is
+// at most max|x_c| / 127 + unit.
 //
 // The dot products: with AVX512-VNNI, vpdpbusd multiplies 64 unsigned bytes of W by 64 signed
 // bytes of x and adds each group of four into 16 int32 lanes (two chunks per instruction); with
@@ -44,6 +51,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -56,6 +64,10 @@
 namespace {
 
 constexpr int kRowsX = 8;  // rows of x per pass over a group of W's rows, at most
+// The steps of a chunk's activation scale within its super-block's (superblock_dot): with W's
+// sub-block scales (|s| <= 128) their products stay within int16 and a super-block's int32 sums
+// within 2^31.
+constexpr int kSubScales = 32;
 
 // The activation rows of one product, quantized for format Q (see the header comment), K padded
 // with zeros to Kp, a multiple of the vector and of the group.
@@ -64,9 +76,81 @@ struct Activations {
   std::vector<int8_t> q;      // [M, Kp]
   std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
   std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
-  std::vector<float> sums;    // [M, Kp / 32]: dx * the chunk's sum of qx
   std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
+  // The same rows quantized for the superblock_int formats, chunk c of a super-block with
+  // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled when K is a multiple of 256 (then
+  // Kp == K), else empty.
+  std::vector<int8_t> q256;     // [M, Kp]
+  std::vector<float> unit;      // [M, Kp / 256]: the super-block's max|x| / (127 kSubScales)
+  std::vector<int16_t> k16;     // [M, Kp / 16]: k_c of the chunk that holds each 16 values
+  std::vector<int16_t> sums16;  // [M, Kp / 16]: each 16 values' sum of qx
 };
+
+// The largest |x| of 32 values (four vectors of eight).
+inline float amax32(const __m256 v[4]) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                     _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+  __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+  return _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+}
+
+// 32 values as bytes round(v * inv): to nearest even (vcvtps2dq, as lrintf in the default rounding
+// mode), then narrowed in order (the packs interleave 128-bit halves; the permute undoes it).
+inline __m256i quantize32(const __m256 v[4], float inv) {
+  __m256i q32[4];
+  for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Each 4-value lane's sum of 32 bytes q: bytes times one, pairs summed to int16, then to int32.
+inline __m256i lane_sums_of(__m256i q) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+}
+
+// Activations' super-block fields (q256, unit, k16, sums16) of x [M, K], K a multiple of 256: chunk c
+// of a super-block takes k_c = ceil(kSubScales max|x_c| / max|x|) (at least 1), so its step
+// unit * k_c is at most max|x_c| / 127 + unit and |qx| <= 127.
+template <typename T>
+void quantize_superblocks(const T* x, int64_t M, int64_t K, Activations& a) {
+  a.q256.assign(M * K, 0);
+  a.unit.assign(M * K / 256, 0.0f);
+  a.k16.assign(M * K / 16, 1);
+  a.sums16.assign(M * K / 16, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 256; ++b) {
+      const T* src = x + m * K + b * 256;
+      float chunk_max[8], amax = 0.0f;
+      for (int c = 0; c < 8; ++c) {
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
+        chunk_max[c] = amax32(v);
+        amax = std::max(amax, chunk_max[c]);
+      }
+      const float unit = amax / (127.0f * kSubScales);
+      a.unit[m * K / 256 + b] = unit;
+      for (int c = 0; c < 8; ++c) {
+        const int k = amax > 0 ? std::clamp(static_cast<int>(std::ceil(kSubScales * chunk_max[c] / amax)), 1, kSubScales)
+                               : 1;
+        const float inv = amax > 0 ? 1.0f / (unit * static_cast<float>(k)) : 0.0f;
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
+        const __m256i q = quantize32(v, inv);
+        const int64_t at = m * K + b * 256 + c * kChunk;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q256.data() + at), q);
+        // Lanes 0-3 hold values 0-15, lanes 4-7 values 16-31: two horizontal adds put their sums in
+        // lanes 0 and 4.
+        __m256i h = lane_sums_of(q);
+        h = _mm256_hadd_epi32(h, h);
+        h = _mm256_hadd_epi32(h, h);
+        a.sums16[at / 16] = static_cast<int16_t>(_mm256_extract_epi32(h, 0));
+        a.sums16[at / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(h, 4));
+        a.k16[at / 16] = a.k16[at / 16 + 1] = static_cast<int16_t>(k);
+      }
+    }
+}
 
 template <typename T>
 void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offset, Activations& a) {
@@ -74,44 +158,143 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
   a.q.assign(M * Kp, 0);
   a.scale.assign(M * Kp / 4, 0.0f);
   a.base.assign(M * Kp / 4, 0);
-  a.sums.assign(M * Kp / kChunk, 0.0f);
   a.lane_sums.assign(M * Kp / 4, 0.0f);
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K / kChunk; ++c) {
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(x + m * K + c * kChunk + 8 * i));
-      const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
-                                         _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
-      __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-      amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
-      const float amax = _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+      const float amax = amax32(v);
       const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-      // round(x / dx) to nearest even (vcvtps2dq, as lrintf in the default rounding mode), then
-      // narrowed to bytes in order (the packs interleave 128-bit halves; the permute undoes it).
-      __m256i q32[4];
-      for (int i = 0; i < 4; ++i) q32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
-      const __m256i q16 = _mm256_packs_epi32(q32[0], q32[1]), q16b = _mm256_packs_epi32(q32[2], q32[3]);
-      const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b),
-                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const __m256i q = quantize32(v, inv);
       const int64_t at = m * Kp + c * kChunk;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + at), q);
-      // Each 4-value lane's sum of qx: bytes times one, pairs summed to int16, then to int32.
-      const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+      const __m256i lanes = lane_sums_of(q);
       _mm256_storeu_ps(a.scale.data() + at / 4, _mm256_set1_ps(d));
       _mm256_storeu_ps(a.lane_sums.data() + at / 4, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
                           _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset)));
-      __m128i total = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
-      total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4e));
-      total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xb1));
-      a.sums[at / kChunk] = d * static_cast<float>(_mm_cvtsi128_si32(total));
     }
+  if (K % 256 == 0) {
+    quantize_superblocks(x, M, K, a);
+  } else {
+    a.q256.clear();
+    a.unit.clear();
+    a.k16.clear();
+    a.sums16.clear();
+  }
 }
 
-// res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart).
+// Vector v's int16 lanes of a super-block's sixteen scales s16 (IntScales): each pair of values
+// (a maddubs lane) takes the scale of its 16 values. 512 bits: vector v is values 64v .. 64v + 63,
+// lane l scale 4v + l / 8; 256 bits: values 32v .. 32v + 31, lanes 0-7 scale 2v, 8-15 scale 2v + 1.
+inline IV spread_scales(__m256i s16, int v) {
+#if defined(NANOSERVE_QUANT_ZMM)
+  const __m512i lane = _mm512_setr_epi32(0x00010000, 0x00030002, 0x00050004, 0x00070006, 0x00090008, 0x000b000a,
+                                         0x000d000c, 0x000f000e, 0x00110010, 0x00130012, 0x00150014, 0x00170016,
+                                         0x00190018, 0x001b001a, 0x001d001c, 0x001f001e);  // int16 lane l holds l
+  const __m512i index = _mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(4 * v)), _mm512_srli_epi16(lane, 3));
+  return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(s16));
+#else
+  const __m256i pair = _mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(v));  // scales 2v, 2v + 1 in each dword
+  return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3,
+                                                    2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+#endif
+}
+
+// dot_block for the superblock_int formats: x's rows as quantize_superblocks writes them (q256, dx
+// = unit * k_c), each super-block of each (row of W, row of x) accumulated in int32 lanes:
+// vpmaddubsw of W's u and qx (u <= 63, |qx| <= 127: no saturation), then vpdpwssd (vpmaddwd + add
+// on plain AVX2) with c16[i] = s16[i] * k16[i] as int16 (|c16| <= 128 * kSubScales), starting from
+// -offset * sum_i c16[i] * sums16[i]; then converted to fp32 once and multiplied in by d * unit.
+// The mins (q4_k, q5_k, q2_k) the same way: sum_i m16[i] * k16[i] * sums16[i] in int32, times
+// -dmin * unit, into an accumulator of their own (eight lanes). Each output is reduce(its accumulator) + reduce8(its mins' accumulator).
+// The integer sums are exact, so their order is free; the fp32 steps are one per super-block, in
+// the same order for every (row of W, row of x) whatever NW and MX.
 template <int Q, int NW, int MX>
-void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
+void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
+                    float (*res)[4]) {
+  static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
+  using G = Group<Q>;
+  constexpr int64_t bytes = layout(Q).bytes;
+  constexpr bool mins = Q == kQ4_K || Q == kQ5_K || Q == kQ2_K;
+  constexpr int offset = offset_of(Q);
+  FV acc[NW][MX];
+  __m256 acc_mins[NW][MX];
+  for (int j = 0; j < NW; ++j)
+    for (int m = 0; m < MX; ++m) {
+      acc[j][m] = fzero();
+      acc_mins[j][m] = _mm256_setzero_ps();
+    }
+  for (int64_t k = 0; k < K; k += 256) {
+    const int64_t g = k / 256;
+    for (int j = NW; j < 2 * NW; ++j)  // the next rows' same stretch, as in dot_block
+      for (int64_t at = g * bytes; at < (g + 1) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+    IntScales sc[NW];
+    G grp[NW];
+    for (int j = 0; j < NW; ++j) {
+      sc[j] = int_scales<Q>(w + j * row_bytes + g * bytes);
+      grp[j] = G(w + j * row_bytes + g * bytes);
+    }
+    // (row j of W, row m of x): the sub-block scales times the chunks' k (c16, int16), the int32
+    // start -offset * sum_i c16[i] * sums16[i], the mins' part into acc_mins; at the end, the
+    // int32 lanes to fp32, times d * unit, into acc.
+    const auto row16 = [&](const std::vector<int16_t>& v, int m) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.data() + (m0 + m) * (K / 16) + k / 16));
+    };
+    const auto start = [&](int j, int m, __m256i c16, __m256i k16, __m256i sums, float unit) -> IV {
+      if constexpr (mins)
+        acc_mins[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_mullo_epi16(sc[j].m16, k16), sums)),
+                                         _mm256_set1_ps(-sc[j].dmin * unit), acc_mins[j][m]);
+      if constexpr (offset == 0) return izero();
+      return widen(_mm256_mullo_epi32(_mm256_madd_epi16(c16, sums), _mm256_set1_epi32(-offset)));
+    };
+    constexpr int vectors = 256 / kVecValues;
+    if constexpr (MX == 1) {  // W unpacked vector by vector (NW accumulators live)
+      const float unit = a.unit[m0 * (K / 256) + g];
+      const __m256i k16 = row16(a.k16, 0), sums = row16(a.sums16, 0);
+      IV isum[NW];
+      __m256i c16[NW];
+      for (int j = 0; j < NW; ++j) {
+        c16[j] = _mm256_mullo_epi16(sc[j].s16, k16);
+        isum[j] = start(j, 0, c16[j], k16, sums, unit);
+      }
+#pragma GCC unroll 8
+      for (int v = 0; v < vectors; ++v) {
+        const IV xq = load_i(a.q256.data() + m0 * K + k + v * kVecValues);
+        for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(grp[j].uv(v), xq), spread_scales(c16[j], v));
+      }
+      for (int j = 0; j < NW; ++j) acc[j][0] = fma(to_fp32(isum[j]), fset1(sc[j].d * unit), acc[j][0]);
+    } else {  // the super-block of NW rows unpacked once, then each row of x against it
+      IV u[vectors][NW];
+#pragma GCC unroll 8
+      for (int v = 0; v < vectors; ++v)
+        for (int j = 0; j < NW; ++j) u[v][j] = grp[j].uv(v);
+      for (int m = 0; m < MX; ++m) {
+        const float unit = a.unit[(m0 + m) * (K / 256) + g];
+        const __m256i k16 = row16(a.k16, m), sums = row16(a.sums16, m);
+        IV isum[NW];
+        __m256i c16[NW];
+        for (int j = 0; j < NW; ++j) {
+          c16[j] = _mm256_mullo_epi16(sc[j].s16, k16);
+          isum[j] = start(j, m, c16[j], k16, sums, unit);
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < vectors; ++v) {
+          const IV xq = load_i(a.q256.data() + (m0 + m) * K + k + v * kVecValues);
+          for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(u[v][j], xq), spread_scales(c16[j], v));
+        }
+        for (int j = 0; j < NW; ++j) acc[j][m] = fma(to_fp32(isum[j]), fset1(sc[j].d * unit), acc[j][m]);
+      }
+    }
+  }
+  for (int j = 0; j < NW; ++j)
+    for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]) + (mins ? reduce8(acc_mins[j][m]) : 0.0f);
+}
+
+// res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart):
+// the formats of 32-value chunks (and iq4_xs), x quantized per chunk.
+template <int Q, int NW, int MX>
+void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
                float (*res)[4]) {
   static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
   using G = Group<Q>;
@@ -175,14 +358,18 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
         }
       }
     }
-    if constexpr (has_mins(Q))  // - sum_c min_c * dx * sum(qx of chunk c), in the lanes of the accumulator
-      for (int m = 0; m < MX; ++m) {
-        const FV sums = G::place_sums(_mm256_loadu_ps(a.sums.data() + ((m0 + m) * Kp + k) / kChunk));
-        for (int j = 0; j < NW; ++j) acc[j][m] = fma(ga[j].min_lanes(), -sums, acc[j][m]);
-      }
   }
   for (int j = 0; j < NW; ++j)
     for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]);
+}
+
+// res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart).
+template <int Q, int NW, int MX>
+void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K, float (*res)[4]) {
+  if constexpr (superblock_int(Q))
+    superblock_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
+  else
+    chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
 }
 
 // Output columns [n0, n0 + NW) for all M rows, up to kRowsX rows of x at a time.

@@ -14,7 +14,9 @@
 //      form: its u = q + 128 would saturate vpmaddubsw).
 //   0  no AVX2: no vector type here; quant.cpp's scalar products.
 // Invariant: exactly one path per build, and the operations below mean the same on each (dot4:
-// acc + the four-byte sums of u (unsigned) times s (signed), per int32 lane).
+// acc + the four-byte sums of u (unsigned) times s (signed), per int32 lane; maddubs: the pairs of
+// u (unsigned) times s (signed) summed into int16 lanes, saturating; dot2: acc + the pairs of int16
+// products summed, per int32 lane; widen: eight int32 lanes into IV's first eight, the rest zero).
 
 #pragma once
 
@@ -52,6 +54,11 @@ inline FV to_fp32(IV a) { return _mm512_cvtepi32_ps(a); }
 inline float reduce(FV a) { return _mm512_reduce_add_ps(a); }
 inline IV sign_mul(IV, IV) { return IV{}; }  // unused: kSignTrick is false
 inline IV abs8(IV a) { return a; }
+inline IV izero() { return _mm512_setzero_si512(); }
+inline FV fset1(float v) { return _mm512_set1_ps(v); }
+inline IV widen(__m256i a) { return _mm512_zextsi256_si512(a); }  // eight int32 lanes, the rest zero
+inline IV maddubs(IV u, IV s) { return _mm512_maddubs_epi16(u, s); }
+inline IV dot2(IV acc, IV a, IV b) { return _mm512_dpwssd_epi32(acc, a, b); }
 #else
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 constexpr int kIsa = 2;
@@ -87,7 +94,26 @@ inline float reduce(FV a) {
 }
 inline IV sign_mul(IV w, IV x) { return _mm256_sign_epi8(w, x); }  // w * sign(x), lane by lane
 inline IV abs8(IV a) { return _mm256_abs_epi8(a); }
+inline IV izero() { return _mm256_setzero_si256(); }
+inline FV fset1(float v) { return _mm256_set1_ps(v); }
+inline IV widen(__m256i a) { return a; }
+inline IV maddubs(IV u, IV s) { return _mm256_maddubs_epi16(u, s); }
+inline IV dot2(IV acc, IV a, IV b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
+}
+#endif
+// The eight lanes of a summed pairwise (as reduce on the 256-bit path).
+inline float reduce8(__m256 a) {
+  vec8 v;
+  std::memcpy(&v, &a, sizeof v);
+  return hsum(v);
+}
 
 #else  // no AVX2
 

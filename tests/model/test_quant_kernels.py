@@ -6,9 +6,11 @@ can run: the native build and, where the CPU has VNNI, builds without it (AVX2) 
 Tolerance of the products (derived, not fitted): quant.cpp quantizes each activation row in blocks
 of 32 with dx = amax / 127 and q = round(x / dx), so each activation moves by at most dx / 2 =
 amax / 254 (times 1.001 for the fp32 rounding of dx and 1 / dx); the product then moves by at most
-sum_k |W[n, k]| * amax(k's block) / 254. On top: fp32 accumulation, 1e-5 * sum |W| |x|, and for bf16
-outputs half an ulp of bf16 (2^-8 relative). The scalar path (no activation quantization) is held
-to the same bound.
+sum_k |W[n, k]| * amax(k's block) / 254. For the k-quants but iq4_xs (their super-blocks summed in
+int32) a block's dx is rounded up to a whole multiple of amax(its 256 values) / (127 * 32), so
+amax(k's block) + amax(k's 256) / 32 takes the place of amax(k's block). On top: fp32
+accumulation, 1e-5 * sum |W| |x|, and for bf16 outputs half an ulp of bf16 (2^-8 relative). The
+scalar path (no activation quantization) is held to the same bound.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1
 SHAPES = [(1, 1, 1), (1, 7, 3), (1, 13, 4), (2, 9, 2), (3, 33, 5), (4, 8, 4), (5, 67, 3), (7, 5, 8), (16, 64, 4),
           (33, 19, 6), (64, 130, 2)]
 ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX-VNNI", 1: "AVX2", 0: "scalar"}
+# The formats whose activation scales are steps of their 256 values' (quant_dot.h's superblock_dot).
+SUPERBLOCK_FORMATS = {"q4_k", "q5_k", "q6_k", "q3_k", "q2_k"}
 
 
 def _builds() -> Iterator[tuple[str, tuple[str, ...] | None]]:
@@ -109,9 +113,15 @@ def reference(raw: np.ndarray, fmt: str) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(raw, BLOCK_FORMATS[fmt].qtype).astype(np.float32))
 
 
-def bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The derived tolerance of each output of x w^T (see the module docstring)."""
-    amax = x.abs().reshape(x.shape[0], -1, 32).amax(dim=2, keepdim=True).expand(-1, -1, 32).reshape(x.shape)
+def _block_max(x: torch.Tensor, block: int) -> torch.Tensor:
+    """max |x| of each value's block of `block` values, in its place."""
+    return x.abs().reshape(x.shape[0], -1, block).amax(dim=2, keepdim=True).expand(-1, -1, block).reshape(x.shape)
+
+
+def bound(w: torch.Tensor, x: torch.Tensor, superblock: bool = False) -> torch.Tensor:
+    """The derived tolerance of each output of x w^T, x quantized per 32 values (`superblock`: on
+    the steps of its 256 values' scale; see the module docstring)."""
+    amax = _block_max(x, 32) + (_block_max(x, 256) / 32 if superblock else 0)
     step = amax / 254 * 1.001
     return step @ w.abs().T + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
 
@@ -136,7 +146,7 @@ def test_quant_linear_within_the_activation_quantization_bound(lib: ctypes.CDLL,
         assert fn(x.data_ptr(), raw.ctypes.data, int(spec.qtype), None if bias is None else bias.data_ptr(),
                   out.data_ptr(), stride, m, n, k, 1 + i % 2) == 1
         ref = x.float() @ w.T + (0 if bias is None else bias.float())
-        tol = bound(w, x.float()) + (ref.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
+        tol = bound(w, x.float(), fmt in SUPERBLOCK_FORMATS) + (ref.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
         err = (out[:, :n].float() - ref).abs()
         assert (err <= tol).all(), f"{fmt} {dtype} M={m} N={n} K={k}: max excess {(err - tol).max().item()}"
         assert (out[:, n:] == 7.0).all(), "wrote outside its column slice"
@@ -250,7 +260,8 @@ def test_cpu_layer_ops_products_of_quantized_and_stacked_weights(dtype: torch.dt
         got = ops.linear(x, w, bias)
         assert torch.equal(got, whole[:m]) and torch.equal(ops.logits(x, bottom), logits[:m]), m
         exact = x.float() @ dense_w.T + bias.float()
-        tol = bound(dense_w, x.float()) + exact.abs() * 2**-7 + (2**-8 if dtype == torch.bfloat16 else 0)
+        tol = (bound(dense_w, x.float(), superblock=True) + exact.abs() * 2**-7
+               + (2**-8 if dtype == torch.bfloat16 else 0))
         assert ((got.float() - exact).abs() <= tol).all(), m
     assert torch.equal(torch.cat([ops.logits(rows[i:i + 1], bottom) for i in range(70)]), logits)
     assert torch.equal(logits.to(dtype), ops.linear(rows, bottom))  # the same sums, rounded to the dtype
