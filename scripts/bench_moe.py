@@ -14,10 +14,15 @@ Usage: python scripts/bench_moe.py [--layers 4] [--formats Q8_0,Q4_K_M] [--threa
 2. llama.cpp on each file: `llama-bench -p 0 -n 64` (single-stream decode, each --threads count) and
    `llama-batched-bench -npp 16 -ntg 32 -npl 16,64` (decode of 16 and 64 sequences), each process's
    peak resident memory (its rusage).
-3. moe.cpp: one layer's `CpuLayerOps.moe_ffn` on the file's expert tensors (memory-mapped), for 1,
-   16 and 64 tokens routed uniformly at random (a fresh routing and the next layer's experts each
+3. moe.cpp: one layer's `CpuLayerOps.moe_ffn` on the file's expert tensors (read into memory), for
+   1, 16 and 64 tokens routed uniformly at random (a fresh routing and the next layer's experts each
    call, so no expert stays in cache between calls), against the bytes of the distinct experts it
    reads: GB/s and the fraction of the machine's read bandwidth (nanoserve.bench.roofline).
+4. Where llama.cpp's test-backend-ops is built (TEST_BACKEND_OPS, default beside llama-bench), its
+   perf mode's own Qwen3-30B-A3B cases of the grouped product (MUL_MAT_ID) alternated --rounds times
+   with moe_ffn on the same shape and format, both at one thread with the experts hot in cache
+   (as test-backend-ops runs them): a layer is three of its products (gate, up, down) against one
+   moe_ffn call.
 
 Prints a table and one JSON object (also written to --json), with the CPU and the load average.
 """
@@ -172,7 +177,7 @@ def run_measured(cmd: list[str]) -> tuple[str, int]:
 def llama_cpp(path: Path, threads: list[int]) -> dict[str, Any]:
     """llama-bench's single-stream decode per thread count, llama-batched-bench's decode at 16 and
     64 sequences (the most threads), the peak resident memory of each."""
-    out, rss = run_measured([str(LLAMA_BIN / "llama-bench"), "-m", str(path), "-p", "0", "-n", "64", "-r", "3",
+    out, rss = run_measured([str(LLAMA_BIN / "llama-bench"), "-m", str(path), "-p", "0", "-n", "64", "-r", "2",
                              "-t", ",".join(map(str, threads)), "-o", "json"])
     single = {int(r["n_threads"]): r["avg_ts"] for r in json.loads(out)}
     out, batch_rss = run_measured([str(LLAMA_BIN / "llama-batched-bench"), "-m", str(path), "-c", "8192",
@@ -256,6 +261,25 @@ def llama_cpp_mul_mat_id(fmt: str) -> dict[int, float]:
     return {int(n): float(us) for n, us in found}
 
 
+def side_by_side(path: Path, fmt: str, layers: int, bandwidth: float, rounds: int) -> dict[str, Any]:
+    """`rounds` alternations of llama.cpp's grouped product (test-backend-ops: one thread on two
+    cores) and moe_ffn at one thread on the same experts (layer 0: q4_k gate, up and down in the
+    Q4_K_M file, q8_0 in the Q8_0 one), hot as test-backend-ops runs it; the medians, and llama.cpp's
+    three products (a layer's gate, up and down) per moe_ffn call."""
+    peer: dict[int, list[float]] = {}
+    ours: dict[int, list[float]] = {}
+    for _ in range(rounds):
+        for n, us in llama_cpp_mul_mat_id(fmt).items():
+            peer.setdefault(n, []).append(us)
+        for n, r in kernel(path, layers, 1, bandwidth, hot=True, min_time=1.0).items():
+            ours.setdefault(n, []).append(r["us_per_call"])
+    median = {n: float(np.median(v)) for n, v in peer.items()}
+    mine = {n: float(np.median(v)) for n, v in ours.items()}
+    return {"rounds": rounds, "llama_cpp_mul_mat_id_us": median, "moe_ffn_us": mine,
+            "speedup_vs_three_mul_mat_id": {n: 3 * median[n] / mine[n] for n in mine if n in median},
+            "load": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -264,6 +288,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=cache_root() / "bench-moe")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the kernel-level comparison")
     ns = parser.parse_args()
     threads = [int(t) for t in ns.threads.split(",")]
     ns.out.mkdir(parents=True, exist_ok=True)
@@ -279,9 +304,8 @@ def main() -> None:
         if not ns.no_llama_cpp:
             entry["llama_cpp"] = llama_cpp(path, threads)
         entry["moe_ffn"] = {t: kernel(path, ns.layers, t, roofs[t].bandwidth, hot=False) for t in threads}
-        entry["moe_ffn_hot"] = {t: kernel(path, ns.layers, t, roofs[t].bandwidth, hot=True) for t in threads}
         if TEST_BACKEND_OPS.exists():
-            entry["llama_cpp_mul_mat_id_us"] = llama_cpp_mul_mat_id(fmt)
+            entry["side_by_side"] = side_by_side(path, fmt, ns.layers, roofs[1].bandwidth, ns.rounds)
         report["formats"][fmt] = entry
     report["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     for fmt, entry in report["formats"].items():
@@ -297,6 +321,12 @@ def main() -> None:
             for tokens, r in rows.items():
                 print(f"  {'':19}| {t:7} | {tokens:6} | {r['us_per_call']:7.0f} | {r['gb_s']:4.1f} | "
                       f"{100 * r['of_bandwidth']:.0f}%")
+        if "side_by_side" in entry:
+            sb = entry["side_by_side"]
+            print("  1 thread, hot: tokens | llama.cpp mul_mat_id us (x3 = a layer) | moe_ffn us | speed-up")
+            for n, us in sb["moe_ffn_us"].items():
+                print(f"  {'':15}{n:6} | {sb['llama_cpp_mul_mat_id_us'].get(n, float('nan')):9.0f} | {us:9.0f} | "
+                      f"{sb['speedup_vs_three_mul_mat_id'].get(n, float('nan')):.2f}x")
     print(f"load average {report['machine']['load_before']} -> {report['load_after']}; {report['machine']['cpu']}")
     text = json.dumps(report, indent=1, default=str)
     print(text)

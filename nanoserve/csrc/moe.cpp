@@ -13,13 +13,16 @@
 //   1. routing: the (token, slot) pairs grouped by expert (a counting sort; within an expert, token
 //      order), and x quantized once for the gate and up products (quant_dot.h's Activations),
 //      then each chosen expert's rows of it gathered (a copy of the quantized rows);
-//   2. gate and up: work items (expert, gate or up, 64 output columns) shared among the OpenMP
-//      threads, each quant_dot.h's column_range into fp32 [pairs, 2 I] (gate columns, then up);
+//   2. gate and up: quant_dot.h's column_range over 64 output columns at a time into fp32
+//      [pairs, 2 I] (gate columns, then up);
 //   3. per expert: silu(gate) * up in fp32 (layer_ops.cpp's silu_mul), quantized for down;
-//   4. down: work items (expert, 64 output columns) into fp32 [pairs, H];
+//   4. down: column_range over 64 output columns at a time into fp32 [pairs, H];
 //   5. per token: the weighted sum of its k rows in slot order j = 0 .. k - 1, rounded to T once.
-// A decode step (one token, k experts) has k * 2 * I / 64 items in step 2 and k * H / 64 in step
-// 4, so every thread streams weights even then. Without AVX2 each row of W is dequantized and
+// Work sharing among the OpenMP threads: with at least two chosen experts per thread (a decode
+// step: one token, k = 8 experts) each work item is one whole expert, steps 1-4, so the threads
+// meet once, before step 5 (each meeting costs a wake-up on a busy machine); with fewer, each
+// step's items are (expert, 64 columns), shared out step by step, so every thread streams weights
+// even when one or two experts hold all the work. Without AVX2 each row of W is dequantized and
 // multiplied with the fp32 rows (no activation quantization), as quant.cpp's scalar path.
 //
 // Batch invariance: each pair's gate, up and down outputs depend on its token's row and the
@@ -201,46 +204,57 @@ void moe_ffn(const T* x, const Experts& gate, const Experts& up, const Experts& 
   std::vector<const Input*> in_gate(n_chosen), in_up(n_chosen);
   std::vector<float> gu(pairs * 2 * I), h(pairs * I), y(pairs * H);
   const int64_t up_tasks = (I + kColumnsPerTask - 1) / kColumnsPerTask, down_tasks = (H + kColumnsPerTask - 1) / kColumnsPerTask;
+  const auto rows_of = [&](int64_t c) { return r.begin[c + 1] - r.begin[c]; };
+  const auto prepare = [&](int64_t c) {  // step 1's gather for chosen expert c
+    if (rows_of(c) == T_rows) {  // every token, in order
+      in_gate[c] = &x_gate;
+      in_up[c] = shared ? &x_gate : &x_up;
+      return;
+    }
+    gather(x_gate, r.token.data() + r.begin[c], rows_of(c), own_gate[c]);
+    in_gate[c] = &own_gate[c];
+    if (!shared) gather(x_up, r.token.data() + r.begin[c], rows_of(c), own_up[c]);
+    in_up[c] = shared ? &own_gate[c] : &own_up[c];
+  };
+  const auto gate_up_task = [&](int64_t c, int64_t task) {  // step 2: row i of c's block of gu is its pair i
+    const int64_t part = task / up_tasks, begin = (task % up_tasks) * kColumnsPerTask;
+    product(part == 0 ? gate : up, r.chosen[c], part == 0 ? *in_gate[c] : *in_up[c], rows_of(c), begin,
+            std::min(I, begin + kColumnsPerTask), gu.data() + r.begin[c] * 2 * I + part * I + begin, 2 * I);
+  };
+  const auto hidden = [&](int64_t c) {  // step 3: silu(gate) * up, quantized for down
+    float* hc = h.data() + r.begin[c] * I;
+    nanoserve_silu_mul_f32(gu.data() + r.begin[c] * 2 * I, hc, rows_of(c), I, 1);
+    make_input(hc, rows_of(c), I, down.qtype, h_in[c]);
+  };
+  const auto down_task = [&](int64_t c, int64_t task) {  // step 4
+    const int64_t begin = task * kColumnsPerTask;
+    product(down, r.chosen[c], h_in[c], rows_of(c), begin, std::min(H, begin + kColumnsPerTask),
+            y.data() + r.begin[c] * H + begin, H);
+  };
+  // With at least two chosen experts per thread (decode: k experts for one token) a work item is a
+  // whole expert, steps 1-4, and the threads meet only before step 5; with fewer (a few busy experts,
+  // or more threads than experts) each step's items are shared out in turn. The same products
+  // either way (column_range's outputs do not depend on its range), so the same bits.
+  const bool whole_experts = n_chosen >= 2 * num_threads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
+    if (whole_experts) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < n_chosen; ++c) {
-      const int64_t n = r.begin[c + 1] - r.begin[c];
-      const int64_t* rows = r.token.data() + r.begin[c];
-      if (n == T_rows) {  // every token, in order
-        in_gate[c] = &x_gate;
-        in_up[c] = shared ? &x_gate : &x_up;
-      } else {
-        gather(x_gate, rows, n, own_gate[c]);
-        in_gate[c] = &own_gate[c];
-        if (!shared) gather(x_up, rows, n, own_up[c]);
-        in_up[c] = shared ? &own_gate[c] : &own_up[c];
+      for (int64_t c = 0; c < n_chosen; ++c) {
+        prepare(c);
+        for (int64_t task = 0; task < 2 * up_tasks; ++task) gate_up_task(c, task);
+        hidden(c);
+        for (int64_t task = 0; task < down_tasks; ++task) down_task(c, task);
       }
-    }
-    // Step 2: (expert, gate or up, columns) items; row i of the expert's block of gu is its pair i.
+    } else {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n_chosen * 2 * up_tasks; ++item) {
-      const int64_t c = item / (2 * up_tasks), task = item % (2 * up_tasks), part = task / up_tasks;
-      const int64_t begin = (task % up_tasks) * kColumnsPerTask, end = std::min(I, begin + kColumnsPerTask);
-      const int64_t n = r.begin[c + 1] - r.begin[c];
-      product(part == 0 ? gate : up, r.chosen[c], part == 0 ? *in_gate[c] : *in_up[c], n, begin, end,
-              gu.data() + r.begin[c] * 2 * I + part * I + begin, 2 * I);
-    }
-    // Step 3: silu(gate) * up per expert, quantized for down.
+      for (int64_t c = 0; c < n_chosen; ++c) prepare(c);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < n_chosen; ++c) {
-      const int64_t n = r.begin[c + 1] - r.begin[c];
-      float* hc = h.data() + r.begin[c] * I;
-      nanoserve_silu_mul_f32(gu.data() + r.begin[c] * 2 * I, hc, n, I, 1);
-      make_input(hc, n, I, down.qtype, h_in[c]);
-    }
-    // Step 4: (expert, columns) items of down.
+      for (int64_t item = 0; item < n_chosen * 2 * up_tasks; ++item) gate_up_task(item / (2 * up_tasks), item % (2 * up_tasks));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n_chosen * down_tasks; ++item) {
-      const int64_t c = item / down_tasks;
-      const int64_t begin = (item % down_tasks) * kColumnsPerTask, end = std::min(H, begin + kColumnsPerTask);
-      product(down, r.chosen[c], h_in[c], r.begin[c + 1] - r.begin[c], begin, end, y.data() + r.begin[c] * H + begin,
-              H);
+      for (int64_t c = 0; c < n_chosen; ++c) hidden(c);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < n_chosen * down_tasks; ++item) down_task(item / down_tasks, item % down_tasks);
     }
     // Step 5: each token's weighted sum over its slots, in slot order.
 #pragma omp for schedule(static)

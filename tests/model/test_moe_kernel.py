@@ -7,7 +7,8 @@ Checked: the outputs within six standard deviations of the error int8 activation
 quantizes x and the hidden silu(gate) * up in blocks of 32, each value off by at most 1/254 of its
 block's largest; `oracle` carries those rounding errors through the layer); that tolerance asserted
 far below what a wrong expert would change; each token's row
-bit for bit the one-token call's and a five-token call's (batch invariance); and the experts no
+bit for bit the one-token call's and a five-token call's (batch invariance, across moe.cpp's two
+ways of sharing work among threads); and the experts no
 token chose never read (their fp16 scales are NaN, so any read would spread NaNs into the output).
 """
 
@@ -62,6 +63,16 @@ def ops(request: pytest.FixtureRequest) -> CpuLayerOps:
     lib = load_cpu_kernels(isa=dict(_builds())[request.param])
     assert lib is not None, "g++ is installed, so the library must build"
     return CpuLayerOps(lib)
+
+
+@pytest.fixture(autouse=True)
+def two_threads() -> Iterator[None]:
+    """Two threads: moe.cpp then shares whole experts among them when a call chooses four or more
+    (most calls here) and (expert, columns) items when fewer (the one-token calls of k = 1 or 2)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def random_experts(fmt: str, experts: int, rows: int, in_features: int, unchosen: list[int],
