@@ -2,9 +2,9 @@
 // then W's groups (quant_blocks.h) against them with vpdpbusd / vpmaddubsw, for a range of output
 // columns (column_range; quant.cpp shares the ranges among threads). AVX2 and up only.
 //
-// Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
-// quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that
-// one translation unit, so the compiler inlines and specialises as within a single file.
+// Private to the products' translation units (included by quant.cpp, moe.cpp and the other quant_*.h
+// only; see quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage
+// in each translation unit, so the compiler inlines and specialises as within a single file.
 //
 // Activations are quantized per product, row by row, in blocks of 32: dx = max|x| / 127, qx =
 // round(x / dx) in [-127, 127]. A 32-value stretch ("chunk") of a row of W then contributes
