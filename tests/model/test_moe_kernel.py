@@ -126,18 +126,30 @@ def oracle(x: torch.Tensor, w: list[torch.Tensor], ids: torch.Tensor,
 @pytest.mark.parametrize("fmts", FORMATS, ids=["-".join(f) for f in FORMATS])
 def test_moe_ffn_against_the_oracle(ops: CpuLayerOps, fmts: tuple[str, str, str], experts: int, k: int,
                                     dtype: torch.dtype) -> None:
-    rng = np.random.default_rng(FORMATS.index(fmts) * 10 + experts + k)
+    check(ops, fmts, experts, k, HIDDEN, INTER, dtype, np.random.default_rng(FORMATS.index(fmts) * 10 + experts + k))
+
+
+def test_moe_ffn_with_a_partial_last_column_task(ops: CpuLayerOps) -> None:
+    """Widths that are not a multiple of moe.cpp's 64 columns per work item (q8_0 rows of 96 and 160
+    values): the last item of each product is short."""
+    check(ops, ("q8_0",) * 3, 6, 2, 96, 160, torch.float32, np.random.default_rng(99))
+
+
+def check(ops: CpuLayerOps, fmts: tuple[str, ...], experts: int, k: int, hidden: int, inter: int,
+          dtype: torch.dtype, rng: np.random.Generator) -> None:
+    """moe_ffn of 33 tokens against the oracle, the tolerance against a wrong routing, and each row
+    against one-token and five-token calls (see the module docstring)."""
     chosen = [*range(0, experts, 2), experts - 1]  # the others' scales are NaN
     unchosen = [e for e in range(experts) if e not in chosen]
-    shapes = [(INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
+    shapes = [(inter, hidden), (inter, hidden), (hidden, inter)]
     raws = [random_experts(f, experts, rows, cols, unchosen, rng) for f, (rows, cols) in zip(fmts, shapes, strict=True)]
     weights_ = [BlockQuantWeight(f, torch.from_numpy(r), cols, dtype)
                 for f, r, (_, cols) in zip(fmts, raws, shapes, strict=True)]
     dense = [torch.from_numpy(gguf.quants.dequantize(r, BLOCK_FORMATS[f].qtype).astype(np.float32))
              .reshape(experts, rows, cols) for f, r, (rows, cols) in zip(fmts, raws, shapes, strict=True)]
     tokens = 33
-    x = torch.from_numpy(rng.standard_normal((tokens, HIDDEN)).astype(np.float32)).to(dtype)
-    x[:, : HIDDEN // 4] *= 10  # blocks of very different magnitudes
+    x = torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32)).to(dtype)
+    x[:, : hidden // 4] *= 10  # blocks of very different magnitudes
     ids = torch.tensor(np.stack([rng.choice(chosen, k, replace=False) for _ in range(tokens)]), dtype=torch.int64)
     topk = torch.from_numpy(rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32))
 
