@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(ns.log_level)
     try:
         return int(ns.func(ns))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before a command handles it itself (e.g. while `serve` imports)
+        print("nanoserve: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         if not _is_user_error(e):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from nanoserve import __version__, cli
@@ -186,6 +187,52 @@ def test_serve_logs_its_stages_then_one_ready_line(demo_dir: Path) -> None:
     for stage in ("importing the server and the engine", "/health answers 503 until it is ready", f"loading {demo_dir}",
                   "KV cache: 16 blocks of 16 tokens"):
         assert sum(stage in line for line in lines) == 1, (stage, text)
+
+
+CTRL_C_BOUND_S = 20.0  # seconds from Ctrl-C to exit: generous for a busy machine; the load here never ends
+
+
+def _engine_process(pid: int) -> list[psutil.Process]:
+    """The children of `pid` once its engine-core process has started (waiting for it)."""
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while True:
+        children = psutil.Process(pid).children()
+        if any("spawn_main" in " ".join(c.cmdline()) for c in children):
+            return children
+        assert time.monotonic() < deadline, "no engine process"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("after", "code", "said"), [
+    ("importing the server and the engine", 130, "nanoserve: interrupted"),
+    ("/health answers 503 until it is ready", 0, "stopping the engine while it loads the model"),  # still importing
+    ("loading {model}\n", 0, "stopping the engine while it loads the model"),  # the engine process's line
+], ids=["importing", "engine-starting", "loading"])
+def test_ctrl_c_during_startup_stops_at_once(tmp_path: Path, after: str, code: int, said: str) -> None:
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while `serve` starts: it exits
+    within the bound, says so in one line, shows no traceback, and leaves no process behind. The
+    model's config.json is a named pipe that no one writes, so the load never ends by itself (as on
+    a stalled network mount): a stop that waited for it never ends. Once the engine process is
+    started, the signal comes when it exists (it then imports for seconds) or when it loads."""
+    model = tmp_path / "stalled"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    argv = [*COMMAND, "serve", str(model), "--port", str(_free_port())]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        _lines_until(proc, lambda line: after.format(model=model) in line, LOAD_TIMEOUT_S)
+        children = psutil.Process(proc.pid).children(recursive=True) if code else _engine_process(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=CTRL_C_BOUND_S)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == code, rest
+    lines = rest.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(said), rest
+    _, alive = psutil.wait_procs(children, timeout=CTRL_C_BOUND_S)
+    assert not alive, alive
 
 
 def test_chat_keeps_httpx_out_of_the_transcript(demo_dir: Path) -> None:

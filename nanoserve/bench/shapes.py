@@ -75,6 +75,16 @@ PRESETS["llama-as-gemma-3-270m"] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
 PRESETS["olmo2-as-gemma-3-270m"] = {**PRESETS["llama-as-gemma-3-270m"], "architectures": ["Olmo2ForCausalLM"],
                                     "model_type": "olmo2"}
+# Qwen/Qwen3-30B-A3B config.json (30.5B parameters, 3.3B active: 128 experts of width 768, 8 per
+# token, every layer MoE); benchmarks scale it to the machine with `num_hidden_layers` overridden.
+PRESETS["qwen3-30b-a3b"] = {
+    **_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "rope_scaling": None, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+    "tie_word_embeddings": False}
 FORMAT_VERSION = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -97,6 +97,16 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap), after logits_scaling
+    # Sparse mixture of experts (`nanoserve.model.moe`) in `moe_layers` (the other layers' MLPs are
+    # dense, of `intermediate_size`): `num_experts` experts of width `moe_intermediate_size`,
+    # `num_experts_per_tok` per token, the top-k weights renormalised under `norm_topk_prob` and
+    # rounded to the model's dtype under `moe_weights_in_dtype`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_weights_in_dtype: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -140,11 +150,14 @@ class ModelConfig:
         if self.attention_bias:
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads)
         mlp = 3 * h * self.intermediate_size
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts and router
         heads = self.num_attention_heads + self.num_key_value_heads
         qk_norms = heads * d if self.qk_norm_over == "projection" else 2 * d
         norms = (4 if self.norms == "sandwich" else 2) * h + (qk_norms if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * (attn + mlp + norms) + embed + h
+        dense_layers = self.num_hidden_layers - len(self.moe_layers)
+        return (self.num_hidden_layers * (attn + norms) + dense_layers * mlp + len(self.moe_layers) * moe + embed
+                + h)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], families: FamilyRegistry = FAMILIES) -> ModelConfig:
@@ -172,6 +185,9 @@ class ModelConfig:
             raise UnsupportedModelError("unsupported config field use_bidirectional_attention=true")
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError("unsupported config field mlp_bias=true")
+        if cfg.get("clip_qkv") is not None:
+            raise UnsupportedModelError(f"unsupported config field clip_qkv={cfg['clip_qkv']} (nanoserve does not "
+                                        "clamp q, k and v)")
         if family.bias_switch is not None and cfg.get(family.bias_switch):
             raise UnsupportedModelError(
                 f"unsupported config field {family.bias_switch}=true ({family.name} then has a bias on "
@@ -203,7 +219,7 @@ class ModelConfig:
                 raise UnsupportedModelError(f"unsupported rope type {local_rope['rope_type']!r} for local layers")
             local_theta = float(local_rope.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
         # The family's multipliers from config.json; Gemma's scales set the same fields.
-        multipliers: dict[str, float] = {name: float(cfg.get(name, default)) for name, default in family.multipliers}
+        multipliers: dict[str, Any] = {name: float(cfg.get(name, default)) for name, default in family.multipliers}
         if shape.embed_scale:
             multipliers["embedding_multiplier"] = hidden**0.5
         scalar = cfg.get("query_pre_attn_scalar")
@@ -246,8 +262,50 @@ class ModelConfig:
             layer_windows=windows,
             local_rope_theta=local_theta,
             final_logit_softcap=cfg.get("final_logit_softcapping"),
+            **_moe_fields(cfg, family),
             **multipliers,
         )
+
+
+def _moe_fields(cfg: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The `ModelConfig` fields of a family with mixture-of-experts MLPs, as its `MoEShape` reads
+    config.json (none for other families; a config that declares experts for a family without
+    them is refused)."""
+    moe = family.moe
+    if moe is None:
+        declared = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)]
+        if declared:
+            raise UnsupportedModelError(f"unsupported config field {declared[0]}={cfg[declared[0]]} for "
+                                        f"{family.name} (its MLPs are dense)")
+        return {}
+    num_experts = next((int(cfg[k]) for k in moe.count_fields if cfg.get(k) is not None), 0)
+    layers = cfg["num_hidden_layers"]
+    if moe.sparse_step:
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        moe_layers = tuple(i for i in range(layers) if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+    else:
+        for key in ("decoder_sparse_step", "mlp_only_layers"):
+            if cfg.get(key) not in (None, 1, []):
+                raise UnsupportedModelError(f"unsupported config field {key}={cfg[key]} for {family.name}")
+        moe_layers = tuple(range(layers)) if num_experts > 0 else ()
+    if not moe_layers:
+        return {}
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= num_experts:
+        raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be between 1 and the {num_experts} experts")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key):
+            raise UnsupportedModelError(f"unsupported config field {key}={cfg[key]} (nanoserve implements no "
+                                        "shared experts)")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(cfg[moe.width_field]),
+        "norm_topk_prob": True if moe.norm_switch is None else bool(cfg.get(moe.norm_switch, False)),
+        "moe_weights_in_dtype": moe.weights_in_dtype,
+        "moe_layers": moe_layers,
+    }
 
 
 def _no_rope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:

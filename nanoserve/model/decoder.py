@@ -22,6 +22,7 @@ from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.model.config import ModelConfig, RopeScaling
 from nanoserve.model.layer_ops import LayerOps, TorchLayerOps
 from nanoserve.model.layers import RMSNorm, SwiGLU, empty_param, rope_cos_sin, rope_inv_freq
+from nanoserve.model.moe import SparseMoE
 from nanoserve.model.quant.quant_config import QuantConfig
 from nanoserve.model.quant.weight_formats import LinearWeight
 
@@ -85,7 +86,9 @@ class DecoderLayer(nn.Module):
 
     Norms: `input_layernorm` before attention, `post_attention_layernorm` before the MLP (Llama's
     names; both None for "post" layers), `attn_output_norm` and `mlp_output_norm` after each
-    sublayer (None for "pre" layers). The MLP's gate takes SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+    sublayer (None for "pre" layers). The MLP's gate takes SiLU (SwiGLU) or tanh-GELU (GeGLU); in
+    `cfg.moe_layers` the MLP is a sparse mixture of SwiGLU experts (`SparseMoE`: routed, then
+    `LayerOps.moe_ffn`)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig, layer: int) -> None:
         super().__init__()
@@ -94,7 +97,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, dtype, quant, layer)
         self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if out else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if pre else None
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, quant, layer)
+        self.mlp: SwiGLU | SparseMoE = (SparseMoE(cfg, dtype, quant, layer) if layer in cfg.moe_layers
+                                        else SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, quant, layer))
         self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if out else None
         self.gelu = cfg.hidden_act == "gelu_tanh"
         self.local = bool(cfg.layer_windows) and cfg.layer_windows[layer] is not None
@@ -107,9 +111,22 @@ class DecoderLayer(nn.Module):
         which the caller adds in the same way."""
         h = self.self_attn(_enter(x, residual, self.input_layernorm, ops), cos, sin, kv_cache, meta, backend, ops)
         h = self._scaled(_leave(h, self.attn_output_norm, ops))
-        gate_up = ops.linear(_enter(h, residual, self.post_attention_layernorm, ops), self.mlp.gate_up_proj)
-        h = ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up)
-        return self._scaled(_leave(ops.linear(h, self.mlp.down_proj), self.mlp_output_norm, ops))
+        x = _enter(h, residual, self.post_attention_layernorm, ops)
+        mlp = self.mlp
+        if isinstance(mlp, SparseMoE):
+            ids, weights = mlp.route(x, ops)
+            h = ops.moe_ffn(x, mlp.gate_exps, mlp.up_exps, mlp.down_exps, ids, weights)
+        else:
+            gate_up = ops.linear(x, mlp.gate_up_proj)
+            h = ops.linear(ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up), mlp.down_proj)
+        return self._scaled(_leave(h, self.mlp_output_norm, ops))
+
+    @property
+    def dense_mlp(self) -> SwiGLU:
+        """The layer's dense MLP, for code that runs dense layers only; TypeError in an MoE layer."""
+        if not isinstance(self.mlp, SwiGLU):
+            raise TypeError("a mixture-of-experts layer has no dense MLP")
+        return self.mlp
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier

@@ -22,6 +22,10 @@ Invariants shared by both:
   qkv (CpuLayerOps rotates in place, so qkv's q and k columns are overwritten) or new tensors.
   cos and sin of fewer than head_dim columns rotate only a head's first ones (partial rotary).
 - `logits` is `linear` with fp32 outputs: the LM head.
+- `moe_ffn` is a sparse mixture of experts' MLP (`nanoserve.model.moe`): x [T, H] contiguous,
+  topk_ids int64 [T, k] in [0, E), topk_weights fp32 [T, k]; returns [T, H] in x's dtype,
+  out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j],
+  each expert's rows read once per call for all its tokens, experts no token chose not read.
 
 `CpuLayerOps` is batch invariant: each row of every result (products, norms, rotary, the LM head's
 fp32 logits) is the same bits whatever the other rows of the call, their number or the row's place
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.model.layers import apply_rope, rms_norm
+from nanoserve.model.moe import grouped_moe_ffn
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight, dequantize
 from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight, UnsupportedWeightFormat
 from nanoserve.native import DTYPE_SUFFIX, load_cpu_kernels
@@ -61,6 +66,9 @@ class LayerOps(Protocol):
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def logits(self, x: torch.Tensor, head: LinearWeight) -> torch.Tensor: ...
+
+    def moe_ffn(self, x: torch.Tensor, gate: LinearWeight, up: LinearWeight, down: LinearWeight,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor: ...
 
 
 class TorchLayerOps:
@@ -107,6 +115,11 @@ class TorchLayerOps:
         """The product in x's dtype, then fp32 (torch's GEMM rounds a bf16 product's outputs to
         bf16; widening the head instead would copy it at every step)."""
         return self.linear(x, head).float()
+
+    def moe_ffn(self, x: torch.Tensor, gate: LinearWeight, up: LinearWeight, down: LinearWeight,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """`grouped_moe_ffn` on these products (each chosen expert's rows through `linear`)."""
+        return grouped_moe_ffn(self, x, gate, up, down, topk_ids, topk_weights)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -269,6 +282,11 @@ class CpuLayerOps:
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """In torch (no C++ step of its own yet): `gelu_tanh_mul`."""
         return gelu_tanh_mul(gate_up)
+
+    def moe_ffn(self, x: torch.Tensor, gate: LinearWeight, up: LinearWeight, down: LinearWeight,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """`grouped_moe_ffn` on the C++ products: batch invariant, as they are."""
+        return grouped_moe_ffn(self, x, gate, up, down, topk_ids, topk_weights)
 
 
 def embed_rows(ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:

@@ -33,6 +33,7 @@ from nanoserve.attention.cpu_paged import CpuPagedAttention
 from nanoserve.attention.metadata import AttentionBackend, AttentionMetadata
 from nanoserve.model.decoder import CausalLM
 from nanoserve.model.layer_ops import CpuLayerOps
+from nanoserve.model.moe import SparseMoE
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight
 from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight
 from nanoserve.native import DTYPE_SUFFIX, LayerWeights, Matrix
@@ -44,12 +45,12 @@ class NativeDecoder:
     def __init__(self, model: CausalLM, ops: CpuLayerOps) -> None:
         """Use `build`, which checks that the model and backends are the ones this replaces. Raises
         ValueError, naming the layer and the format, for a weight this cannot read."""
-        unreadable = _unreadable_weight(model)
-        if unreadable is not None:
-            raise ValueError(f"the native decoder cannot read {unreadable}")
         cfg = model.cfg
         if not cfg.native_decoder:
             raise ValueError(f"the native decoder does not implement {cfg.family}'s layers")
+        unreadable = _unreadable_weight(model)
+        if unreadable is not None:
+            raise ValueError(f"the native decoder cannot read {unreadable}")
         self.model = model
         self.dtype = model.dtype
         self.head_dim = cfg.head_dim
@@ -59,7 +60,7 @@ class NativeDecoder:
                                   cfg.head_dim, cfg.intermediate_size, cfg.num_hidden_layers], dtype=torch.int64)
         self.layers = (LayerWeights * len(model.layers))()
         for slot, layer in zip(self.layers, model.layers, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, layer.dense_mlp
             assert layer.input_layernorm is not None and layer.post_attention_layernorm is not None
             vectors = {"input_norm": layer.input_layernorm.weight, "qkv_bias": attn.qkv_bias,
                        "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
@@ -171,6 +172,8 @@ def _unreadable_weight(model: CausalLM) -> str | None:
     named: list[tuple[str, LinearWeight]] = [("embed_tokens", model.embed_tokens)]
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, SparseMoE):
+            return f"layers.{i}.mlp, a mixture of experts"
         named += [(f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj), (f"layers.{i}.self_attn.o_proj", attn.o_proj),
                   (f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj), (f"layers.{i}.mlp.down_proj", mlp.down_proj)]
     if model.lm_head is not None:

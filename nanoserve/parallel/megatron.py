@@ -34,10 +34,12 @@ def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """The shape one rank of `world_size` holds. Raises ValueError unless the query heads, the KV
     heads and the intermediate size all divide evenly, and for layers other than Llama's pre-norm
     ones (the shards copy only those norms; a q/k norm over the whole projection would need the
-    ranks' sums of squares)."""
+    ranks' sums of squares), and for mixtures of experts (no expert is sharded)."""
     if cfg.norms != "pre" or cfg.qk_norm_over != "head":
         raise ValueError(f"tensor parallelism does not implement {cfg.family}'s layers "
                          f"(norms={cfg.norms!r}, q/k norm over the {cfg.qk_norm_over})")
+    if cfg.moe_layers:
+        raise ValueError(f"tensor parallelism does not implement mixture-of-experts layers ({cfg.family})")
     sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
              "intermediate_size": cfg.intermediate_size}
     uneven = [f"{name}={size}" for name, size in sizes.items() if size % world_size]
@@ -78,6 +80,12 @@ class RowParallelOps:
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.inner.gelu_tanh_mul(gate_up)
 
+    def moe_ffn(self, x: torch.Tensor, gate: LinearWeight, up: LinearWeight, down: LinearWeight,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """`inner`'s: a shard has no experts (`shard_config` refuses mixtures of experts), so none is
+        row parallel."""
+        return self.inner.moe_ffn(x, gate, up, down, topk_ids, topk_weights)
+
     def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
         return self.inner.embed(ids, table)
 
@@ -97,7 +105,7 @@ class TensorParallelCausalLM(CausalLM):
         self.group = group
         self.vocab_start = group.rank * cfg.vocab_size
         self.ops = RowParallelOps(inner_ops, group, (w for layer in self.layers
-                                                     for w in (layer.self_attn.o_proj, layer.mlp.down_proj)))
+                                                     for w in (layer.self_attn.o_proj, layer.dense_mlp.down_proj)))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start
@@ -161,8 +169,8 @@ def shard_model(full: CausalLM, group: TensorParallelGroup) -> TensorParallelCau
                                    (src.post_attention_layernorm, dst.post_attention_layernorm)):
             if src_norm is not None and dst_norm is not None:
                 dst_norm.weight.copy_(src_norm.weight)
-        inter = src.mlp.inter
-        dst.mlp.gate_up_proj.copy_(_column_shard(_dense(src.mlp.gate_up_proj, f"layer {i} gate_up_proj"),
-                                                 (inter, inter), rank, n))
-        dst.mlp.down_proj.copy_(_dense(src.mlp.down_proj, f"layer {i} down_proj").chunk(n, dim=1)[rank])
+        inter = src.dense_mlp.inter
+        dst.dense_mlp.gate_up_proj.copy_(_column_shard(_dense(src.dense_mlp.gate_up_proj, f"layer {i} gate_up_proj"),
+                                                       (inter, inter), rank, n))
+        dst.dense_mlp.down_proj.copy_(_dense(src.dense_mlp.down_proj, f"layer {i} down_proj").chunk(n, dim=1)[rank])
     return shard.eval()

@@ -20,6 +20,11 @@ within `RESTART_WINDOW_S`; past that, or for a core that never loaded, `on_fatal
 server then exits, for its supervisor to restart it). A core on a thread is not restarted: its
 engine object may be broken.
 
+Stopping a core process that is still loading does not wait for its load: it is sent
+`LOAD_CANCEL_SIGNAL`, which unwinds the load, and is killed if it has not exited
+`LOAD_CANCEL_GRACE_S` later (a load stuck in a call that takes no signal); the state goes STOPPED.
+A core on a thread loads to the end first.
+
 Deltas are merged in one layer, here: the core sends every step's deltas as the engine made them,
 and each `OutputStream` holds what arrived for it until its consumer takes it, merging per
 sequence what piled up (`coalesce`). Only this side can merge for a consumer that fell behind, and
@@ -35,12 +40,15 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import os
 import queue
+import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -51,6 +59,7 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.runtime.defaults import DEFAULT_MAX_RESTARTS
 from nanoserve.runtime.deltas import coalesce
 from nanoserve.runtime.engine_core import (
+    LOAD_CANCEL_SIGNAL,
     AbortRequest,
     AddRequest,
     Command,
@@ -69,6 +78,7 @@ from nanoserve.runtime.metrics import LatencyWindow, Metrics
 log = logging.getLogger(__name__)
 
 PROCESS_STOP_TIMEOUT_S = 30.0
+LOAD_CANCEL_GRACE_S = 5.0  # a loading core process has this long to exit after LOAD_CANCEL_SIGNAL
 RESTART_WINDOW_S = 600.0  # restarts counted against `max_restarts`: those this recent
 RESTART_BACKOFF_S = 1.0  # the first restart's delay, doubled for each further one in the window
 MAX_RESTART_BACKOFF_S = 30.0
@@ -126,6 +136,7 @@ class AsyncEngine:
         self._restart_pending = False
         self._stopping = False
         self._stopped: asyncio.Future[None] | None = None  # the one stop's join
+        self._load_cancelled = False  # the stop came while the core process was loading
         self._loader = loader
         self._on_fatal = on_fatal
         self._on_ready = on_ready
@@ -159,7 +170,14 @@ class AsyncEngine:
             return
         if self._stopped is None:
             self._commands.put(None)
-            self._stopped = asyncio.ensure_future(asyncio.to_thread(self._join))
+            timeout = PROCESS_STOP_TIMEOUT_S
+            if self.state is EngineState.LOADING and self._process is not None and self._process.pid is not None:
+                log.info("stopping the engine while it loads the model")
+                self._load_cancelled = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._process.pid, LOAD_CANCEL_SIGNAL)
+                timeout = LOAD_CANCEL_GRACE_S
+            self._stopped = asyncio.ensure_future(asyncio.to_thread(self._join, timeout))
         await asyncio.shield(self._stopped)
 
     def unavailable_reason(self) -> str:
@@ -255,6 +273,8 @@ class AsyncEngine:
 
     def _on_exit(self, exited: Exited) -> None:
         self.state, self.error = exited.state, exited.error
+        if self._load_cancelled:  # a load the stop cut short (the core killed, if it had to be)
+            self.state, self.error = EngineState.STOPPED, None
         reason = EngineUnavailableError(self.unavailable_reason())
         streams, self._streams = set(self._streams.values()), {}
         for stream in streams:
@@ -335,7 +355,9 @@ class AsyncEngine:
         outputs_r, outputs_w = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=run_core_process, name="nanoserve-engine-core", daemon=True,
                                     args=(args, commands_r, outputs_w, logging.getLogger().getEffectiveLevel()))
-        self._process.start()
+        resource_tracker.ensure_running()  # started now: its own start would unblock the signals blocked here
+        with _blocked_in_children(signal.SIGINT, signal.SIGTERM):
+            self._process.start()
         commands_r.close()  # the core's ends: only the core may hold them, so that either side's
         outputs_w.close()  # exit is the other's end of file
         self._threads = [
@@ -372,15 +394,32 @@ class AsyncEngine:
         process.join(timeout=PROCESS_STOP_TIMEOUT_S)
         self._post(Exited(EngineState.DEAD, f"the engine process exited with code {process.exitcode}"))
 
-    def _join(self) -> None:
+    def _join(self, timeout: float) -> None:
+        """Waits for the core to exit, `timeout` seconds for a core process, then kills it (SIGKILL:
+        it ignores SIGTERM, see `run_core_process`)."""
         if self._process is not None:
-            self._process.join(timeout=PROCESS_STOP_TIMEOUT_S)
+            self._process.join(timeout=timeout)
             if self._process.is_alive():
-                log.warning("the engine process did not stop in %.0f s; terminating it", PROCESS_STOP_TIMEOUT_S)
-                self._process.terminate()
+                log.warning("the engine process did not stop in %.0f s; killing it", timeout)
+                self._process.kill()
                 self._process.join()
         for thread in self._threads:
             thread.join()
+
+
+@contextlib.contextmanager
+def _blocked_in_children(*signals: signal.Signals) -> Iterator[None]:
+    """Blocks `signals` on this thread while a child process starts from it, so that the child
+    starts with them blocked (a signal mask is inherited through fork and exec): a Ctrl-C or
+    SIGTERM to the process group while the engine-core process imports is the front end's alone to
+    act on (`run_core_process` discards and unblocks them; multiprocessing starts its resource
+    tracker the same way). This process loses none: another of its threads takes them meanwhile,
+    or this one once they are unblocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclass(slots=True)

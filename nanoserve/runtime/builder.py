@@ -125,7 +125,8 @@ def engine_from_model(model: Model, tokenizer: Tokenizer | None, kv_shape: KVSha
 def use_cuda_graphs(runner: ModelRunner, num_kv_heads: int, args: EngineArgs) -> None:
     """Captures the runner's decode steps as CUDA graphs on a CUDA device unless `enforce_eager`;
     they need the Triton attention backend (its fixed-split decode path is graph-safe) and a model
-    without sliding-window layers (those attend through `TorchAttention`)."""
+    without sliding-window layers (those attend through `TorchAttention`) or mixture-of-experts
+    layers."""
     if runner.device.type != "cuda" or args.enforce_eager:
         return
     if not isinstance(runner.backend, TritonAttention):
@@ -134,6 +135,10 @@ def use_cuda_graphs(runner: ModelRunner, num_kv_heads: int, args: EngineArgs) ->
     if isinstance(runner.model, CausalLM) and runner.model.cfg.layer_windows:
         log.info("the model has sliding-window layers, which the triton kernels do not implement; "
                  "decode steps run eagerly")
+        return
+    if isinstance(runner.model, CausalLM) and runner.model.cfg.moe_layers:
+        log.info("the model has mixture-of-experts layers, whose grouping by expert reads the routing on the "
+                 "host (no CUDA graph can hold it); decode steps run eagerly")
         return
     assert args.max_model_len is not None
     runner.use_decode_graphs(num_kv_heads, args.max_num_seqs, args.max_model_len)

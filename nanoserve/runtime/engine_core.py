@@ -17,6 +17,12 @@ compile (`StepOutput.failed`), fails that request only; an exception in `step` f
 every request in flight (the batch is shared), after which the engine must hold no request and no
 block, or the loop raises and the core exits dead; a `RunnerFailure` (a lost tensor-parallel rank)
 makes it exit dead at once. Every exit closes the engine.
+
+Stopping while loading. The core reads no command before its model is loaded, so a stop sent then
+would wait for the whole load. A core process therefore takes `LOAD_CANCEL_SIGNAL` while (and only
+while) it loads: the signal raises `LoadCancelled` in its main thread, which unwinds the load
+(temporary files removed, a compiler it started killed, as on any error), and the core exits
+`STOPPED`. Once loaded, the signal is ignored and the stop command is the way to stop it.
 """
 
 from __future__ import annotations
@@ -24,13 +30,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import functools
 import logging
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from types import FrameType
 
 import torch
 
@@ -47,6 +53,12 @@ from nanoserve.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.2  # the shortest time between two EngineStats records
+LOAD_CANCEL_SIGNAL = signal.SIGUSR1  # the front end's "stop loading" to a core process (see the module's docstring)
+
+
+class LoadCancelled(BaseException):
+    """The front end stopped the core while it was loading the model. A BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` of the loading code takes it for a failure."""
 
 
 class EngineState(enum.Enum):
@@ -250,6 +262,10 @@ def run_core(loader: Callable[[], LLMEngine], receive: Receive, send: Send) -> N
     with an `Exited` message, and no request is left in the engine."""
     try:
         engine = loader()
+    except LoadCancelled:
+        log.debug("the load was cancelled", exc_info=True)
+        send(Exited(EngineState.STOPPED))
+        return
     except BaseException as e:  # the front end reports it in one line; the traceback at DEBUG
         log.debug("loading the model failed", exc_info=True)
         send(Exited(EngineState.DEAD, str(e)))
@@ -277,10 +293,18 @@ def run_core_process(args: EngineArgs, commands: Connection, outputs: Connection
     closed command pipe (the front end is gone) stops it like a stop command. SIGINT and SIGTERM
     are ignored: a terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process
     group, and the front end, which lets requests in flight finish first, stops the core through
-    the pipe."""
+    the pipe; while the model loads, `LOAD_CANCEL_SIGNAL` stops the load."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked until now: AsyncEngine
     configure_logging(log_level)
+
+    def load() -> LLMEngine:  # before it, the signal's default action ends the process: nothing to unwind yet
+        signal.signal(LOAD_CANCEL_SIGNAL, _cancel_load)
+        try:
+            return build_engine(args)
+        finally:
+            signal.signal(LOAD_CANCEL_SIGNAL, signal.SIG_IGN)
 
     def receive(timeout: float | None) -> list[Command]:
         received: list[Command] = []
@@ -297,4 +321,8 @@ def run_core_process(args: EngineArgs, commands: Connection, outputs: Connection
         with contextlib.suppress(OSError):  # the front end is gone; the command pipe's end stops the loop
             outputs.send(message)
 
-    run_core(functools.partial(build_engine, args), receive, send)
+    run_core(load, receive, send)
+
+
+def _cancel_load(sig: int, frame: FrameType | None) -> None:
+    raise LoadCancelled("the server stopped while the model was loading")

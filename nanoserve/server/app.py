@@ -14,6 +14,7 @@ and every status and content type each route answers (`openapi.document`).
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -268,10 +269,19 @@ _Body = TypeVar("_Body", bound=BaseModel)
 async def _parse(request: Request, model: type[_Body]) -> _Body:
     """The body as `model`, read as JSON whatever the Content-Type says (so a bare `curl -d`
     works); a 400 naming the first bad field otherwise."""
+    raw = await request.body()
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(raw)
     except ValidationError as e:
-        raise invalid_request(e.errors()) from e
+        raise invalid_request(e.errors(), _json(raw)) from e
+
+
+def _json(raw: bytes) -> Any:
+    """`raw` as JSON, None if it is not JSON (or nested too deep to read)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 class APIKeyAuth:

@@ -10,7 +10,7 @@ meets no surprise:
 - unknown fields: a request body's unknown fields are a 400 unless sent as null
   (`Serving.check_request`), so its schema allows further properties only as null (any value
   with `--ignore-unknown-fields`, which drops them); nested models say the same by their own
-  config (`json_schema_extra`);
+  config (`json_schema_extra`: `protocol.nested.NestedModel`, which refuses them whatever the flag);
 - statuses: besides 200, every operation lists each error it can answer, in its route's shape
   (Anthropic's on `/v1/messages*`): 400, 404 (an unknown model or stored response), 413 (a body
   over the limit), 429 (a full queue, on the routes that queue), 401 (with an API key) and 503

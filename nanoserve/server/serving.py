@@ -32,7 +32,7 @@ from nanoserve.server.chat.reasoning_parsers import reasoning_parser_name
 from nanoserve.server.chat.tool_parsers.calls import ToolCallParser
 from nanoserve.server.chat.tool_parsers.json_list import JsonListParser
 from nanoserve.server.chat.tool_parsers.registry import TOOL_PARSERS, parser_factory
-from nanoserve.server.protocol.errors import APIError
+from nanoserve.server.protocol.errors import UNSUPPORTED_FIELD, APIError
 from nanoserve.server.protocol.openai import REFUSED_FIELDS
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.tokenizer.prompt_pool import PromptLimits, PromptPool
@@ -201,14 +201,14 @@ class Serving:
         for name in unknown:
             if name in REFUSED_FIELDS:
                 raise APIError(400, f"{REFUSED_FIELDS[name]} (request field `{name}`)", param=name,
-                               code="unsupported_field")
+                               code=UNSUPPORTED_FIELD)
         if unknown and self.ignore_unknown_fields:
             log.warning("dropping request fields that no API defines: %s", ", ".join(unknown))
             for name in unknown:
                 del extra[name]
         elif unknown:
             raise APIError(400, f"unsupported request field{'s' if len(unknown) > 1 else ''}: "
-                           f"{', '.join(unknown)}", param=unknown[0], code="unsupported_field")
+                           f"{', '.join(unknown)}", param=unknown[0], code=UNSUPPORTED_FIELD)
 
     def admit(self, count: int = 1) -> None:
         """A 429 (with Retry-After) when `count` more sequences (prompts times n) would overflow the

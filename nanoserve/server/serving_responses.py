@@ -43,7 +43,7 @@ from nanoserve.runtime.async_engine import EngineError
 from nanoserve.server.chat.output import ChoiceDelta, ChoiceParser, call_id
 from nanoserve.server.chat.tool_parsers.calls import ToolCallDelta
 from nanoserve.server.protocol import sse
-from nanoserve.server.protocol.errors import APIError, invalid_request
+from nanoserve.server.protocol.errors import UNSUPPORTED_FIELD, APIError, invalid_request
 from nanoserve.server.protocol.openai import (
     ChatCompletionRequest,
     ChatMessage,
@@ -82,8 +82,7 @@ def _new_id(prefix: str) -> str:
 def chat_messages(items: Sequence[InputItem]) -> list[dict[str, Any]]:
     """Input items as chat messages: consecutive assistant text and function_call items form one
     assistant turn (content, then tool_calls), a reasoning item's text is the next assistant turn's
-    `reasoning_content`. A call whose arguments are not JSON, or an item field that is set and
-    unknown here, is a 400 naming it."""
+    `reasoning_content`. A call whose arguments are not JSON is a 400 naming it."""
     messages: list[dict[str, Any]] = []
     reasoning = ""
 
@@ -96,10 +95,6 @@ def chat_messages(items: Sequence[InputItem]) -> list[dict[str, Any]]:
         return message
 
     for i, item in enumerate(items):
-        unknown = sorted(k for k, v in (item.model_extra or {}).items() if v is not None)
-        if unknown:
-            raise APIError(400, f"unsupported {item.type or 'message'} item field: {unknown[0]}",
-                           param=f"input.{i}.{unknown[0]}", code="unsupported_field")
         if isinstance(item, ReasoningItem):
             reasoning += item.text()
         elif isinstance(item, MessageItem):
@@ -354,7 +349,7 @@ async def create_response(serving: Serving, store: ResponseStore, body: Response
     answers with the response object or its event stream; stores it if asked."""
     serving.check_request(body, body.model)
     if (unsupported := body.unsupported()) is not None:
-        raise APIError(400, unsupported[1], param=unsupported[0], code="unsupported_field")
+        raise APIError(400, unsupported[1], param=unsupported[0], code=UNSUPPORTED_FIELD)
     if body.store and store.capacity == 0:
         raise APIError(400, "store is disabled on this server (--responses-store-size 0)", param="store")
     history: list[dict[str, Any]] = []
@@ -443,7 +438,7 @@ def list_input_items(store: ResponseStore, response_id: str, query: dict[str, st
     if entry is None:
         raise APIError(404, f"no stored response with id '{response_id}'", param="response_id", code="not_found")
     if unknown := sorted(set(query) - {"limit", "order", "after"}):
-        raise APIError(400, f"unsupported query parameter: {unknown[0]}", param=unknown[0], code="unsupported_field")
+        raise APIError(400, f"unsupported query parameter: {unknown[0]}", param=unknown[0], code=UNSUPPORTED_FIELD)
     limit = query.get("limit", "20")
     if not limit.isdigit() or not 1 <= int(limit) <= 100:
         raise APIError(400, "limit must be an integer from 1 to 100", param="limit")

@@ -9,8 +9,14 @@ LongRoPE as `rope_factors_long/short.weight` with its original context and atten
 (phi3), a family's multipliers and sliding window under the keys its `GGUFArch` names, local layers
 as the sliding window, its rotary base and one flag per layer (true: local), the tokenizer as
 byte-level BPE ("gpt2") with tokens, token types, merges, its pre-tokenizer name, special ids and
-chat template (through `gguf.SpecialVocab`, as the converter does). One addition llama.cpp ignores:
-ROPE_SCALING_KEY keeps the exact llama3 rope parameters, which the factors alone do not determine.
+chat template (through `gguf.SpecialVocab`, as the converter does). A mixture of experts as the
+converter writes it: `{arch}.expert_count`, `.expert_used_count` (and qwen3moe's
+`.expert_feed_forward_length`), each layer's experts stacked into one tensor per kind
+(`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: [E, I, H] and [E, H, I]) in the output type, the
+router (`ffn_gate_inp`) F32. One addition llama.cpp ignores:
+ROPE_SCALING_KEY keeps the exact llama3 rope parameters, which the factors alone do not determine;
+and where a checkpoint's `norm_topk_prob` is not what llama.cpp fixes for its architecture, the file
+says so in `{arch}.expert_weights_norm` (which nanoserve reads and llama.cpp does not, with a warning).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from nanoserve.model.checkpoint.gguf_reader import (
     permute_rotary,
 )
 from nanoserve.model.checkpoint.loader import iter_safetensors, safetensors_files
+from nanoserve.model.checkpoint.weights import per_expert
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch
 from nanoserve.tokenizer.pre_tokenizers import GPT2_REGEX, PRE_TOKENIZERS, canonical_name, run_as
@@ -78,8 +85,12 @@ def export_gguf(
                     folder.name, cfg.sliding_window, arch.name)
     if cfg.rope_scaling.rope_type == "longrope" and not arch.longrope_tensors:
         raise ValueError(f"{folder.name}: llama.cpp's {arch.name} architecture has no LongRoPE")
+    if cfg.num_experts and len(cfg.moe_layers) != cfg.num_hidden_layers:
+        raise ValueError(f"{folder.name}: dense MLP layers among the experts' (MoE layers {list(cfg.moe_layers)}); "
+                         f"llama.cpp's {arch.name} has experts in every layer")
     writer = gguf.GGUFWriter(out, arch.name, use_temp_file=True)
     _write_hparams(writer, arch, cfg, ftype, folder.name)
+    _write_experts(writer, family, cfg, folder.name)
     _write_layer_shape(writer, cfg)
     _write_tokenizer(writer, folder, cfg.vocab_size)
     for name, tensor in _gguf_tensors(folder, cfg, family, arch):
@@ -132,6 +143,24 @@ def _write_hparams(
         writer.add_rope_scaling_attn_factors(cfg.rope_attention_factor)
 
 
+def _write_experts(writer: gguf.GGUFWriter, family: Family, cfg: ModelConfig, name: str) -> None:
+    """The converter's mixture-of-experts keys (`TextModel.set_gguf_parameters`, and qwen3moe's
+    expert width), plus `expert_weights_norm` where the checkpoint renormalises otherwise than
+    llama.cpp does for the architecture."""
+    moe, arch = family.moe, family.gguf
+    if moe is None or arch is None or not cfg.num_experts:
+        return
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if moe.gguf_width_key != "feed_forward_length":
+        writer.add_uint32(f"{arch.name}.{moe.gguf_width_key}", cfg.moe_intermediate_size)
+    if cfg.norm_topk_prob != moe.gguf_norm:
+        log.warning("%s: norm_topk_prob=%s, which llama.cpp's %s does not read (it always uses %s); written as "
+                    "%s.expert_weights_norm for nanoserve", name, cfg.norm_topk_prob, arch.name, moe.gguf_norm,
+                    arch.name)
+        writer.add_expert_weights_norm(cfg.norm_topk_prob)
+
+
 def _every(interval: int, cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(i for i in range(cfg.num_hidden_layers) if (i + 1) % interval == 0)
 
@@ -170,7 +199,9 @@ def _gguf_tensors(
         yield ROPE_FACTORS_LONG, torch.tensor(cfg.rope_scaling.long_factor, dtype=torch.float32)
         yield ROPE_FACTORS_SHORT, torch.tensor(cfg.rope_scaling.short_factor, dtype=torch.float32)
     heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
-    for stored_name, tensor in iter_safetensors(safetensors_files(folder)):
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # a stacked tensor's experts read so far
+    for stored_name, tensor in per_expert(family, iter_safetensors(safetensors_files(folder))):
+        assert isinstance(tensor, torch.Tensor)  # safetensors hold no GGUF blocks
         hf_name = family.causal_name(stored_name)
         tied_head = cfg.tie_word_embeddings and hf_name == "lm_head.weight"
         if tied_head or hf_name.endswith("rotary_emb.inv_freq"):
@@ -185,13 +216,25 @@ def _gguf_tensors(
             tensor = permute_rotary(tensor, heads[rows])
         if family.layer.norm_offset and ref.tensor.param.endswith("norm.weight"):
             tensor = tensor.float() + family.layer.norm_offset
+        if ref.tensor.experts:  # held until the layer's last expert of this kind is read, then stacked
+            assert ref.expert is not None
+            stack = experts.setdefault(ref.gguf_name, {})
+            stack[ref.expert] = tensor
+            if len(stack) == cfg.num_experts:
+                if sorted(stack) != list(range(cfg.num_experts)):
+                    raise ValueError(f"{ref.gguf_name}: experts {sorted(stack)} of {cfg.num_experts}")
+                yield ref.gguf_name, torch.stack([stack[e] for e in range(cfg.num_experts)])
+                del experts[ref.gguf_name]
+            continue
         yield ref.gguf_name, tensor
+    if experts:
+        raise ValueError(f"{folder.name}: experts missing from {', '.join(sorted(experts))}")
 
 
 def _tensor_type(name: str, shape: torch.Size, qtype: QType) -> QType:
-    """1-D tensors and norms stay F32; Q8_0 and Q4_0 fall back to F16 when a row is not a whole
-    number of 32-value blocks (both as in the converter)."""
-    if len(shape) <= 1 or name.endswith("_norm.weight"):
+    """1-D tensors, norms and MoE routers stay F32; Q8_0 and Q4_0 fall back to F16 when a row is not
+    a whole number of 32-value blocks (all as in the converter)."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or name.endswith("ffn_gate_inp.weight"):
         return QType.F32
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     if shape[-1] % block:

@@ -16,6 +16,9 @@ Invariants:
   of families with a `LayerShape.norm_offset` less that offset (llama.cpp stores 1 + w), and the Q/K
   rows of files whose architecture stores them interleaved (`llama`) un-permuted from llama.cpp's
   interleaved rotary layout back to the rotate-half layout of `transformers`.
+- A mixture of experts' stacked expert tensors (`ffn_gate_exps` etc., [E, I, H]) come as one
+  tensor per expert under its Hugging Face name (rows e * I .. (e + 1) * I: views of the map,
+  blocks untouched), which the loader writes back into the model's stacked matrix.
 - Tensors of a type nanoserve multiplies in its block format (`KEPT_TYPES`: Q8_0, Q4_0, Q4_1,
   Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q2_K) come as `QuantizedRows`, the file's
   bytes untouched (a row permutation moves whole rows of blocks: blocks run along a row);
@@ -50,7 +53,7 @@ from tokenizers import AddedToken, decoders
 
 from nanoserve.model.checkpoint import gguf_header
 from nanoserve.model.config import ModelLoadError, RopeScaling, UnsupportedModelError
-from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch
+from nanoserve.model.families import FAMILIES, Family, FamilyRegistry, GGUFArch, TensorRef
 from nanoserve.model.layers import rope_inv_freq
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, QuantizedRows
 from nanoserve.tokenizer import sentencepiece_bpe
@@ -88,10 +91,18 @@ class GGUFCheckpoint(NamedTuple):
     mapping: mmap.mmap  # the file's copy-on-write map that `tensors` view
 
     @property
+    def num_experts(self) -> int:
+        """E of a mixture of experts' layers (0 for a dense model)."""
+        moe = self.family.moe
+        return 0 if moe is None else int(self.hf_config[moe.count_fields[0]])
+
+    @property
     def tensor_formats(self) -> dict[str, str]:
         """HF name -> block format of every tensor `weights()` yields as `QuantizedRows`."""
         refs = ((self.family.tensor_by_gguf(t.name), t.tensor_type) for t in self.tensors)
-        return {ref.hf_name: KEPT_TYPES[kind] for ref, kind in refs if ref is not None and kind in KEPT_TYPES}
+        experts = range(self.num_experts)
+        return {r.hf_name: KEPT_TYPES[kind] for ref, kind in refs if ref is not None and kind in KEPT_TYPES
+                for r in ([ref._replace(expert=e) for e in experts] if ref.tensor.experts else [ref])}
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
         """(HF name, tensor in HF layout) pairs, read when reached: `QuantizedRows` sharing the
@@ -118,8 +129,25 @@ class GGUFCheckpoint(NamedTuple):
             rows = ref.tensor.rows
             if interleaved and rows is not None and rows in heads:
                 x = x[unpermute_rotary(torch.arange(x.shape[0]), heads[rows])]
-            yield ref.hf_name, x
+            if ref.tensor.experts:
+                yield from _per_expert(ref, x, self.num_experts, t.name)
+            else:
+                yield ref.hf_name, x
             _release(self.mapping, t.data_offset, t.data_offset + t.n_bytes)
+
+
+def _per_expert(ref: TensorRef, x: torch.Tensor | QuantizedRows, num_experts: int,
+                name: str) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+    """Each expert's rows of a stacked expert tensor (x: [E, rows, in] dense or [E * rows] block
+    rows) under its Hugging Face name, as views."""
+    if isinstance(x, torch.Tensor):
+        x = x.reshape(-1, x.shape[-1])
+    if x.shape[0] % num_experts:
+        raise UnsupportedModelError(f"GGUF tensor {name} has {x.shape[0]} rows, not a multiple of the "
+                                    f"{num_experts} experts")
+    rows = x.shape[0] // num_experts
+    for e in range(num_experts):
+        yield ref._replace(expert=e).hf_name, x[e * rows:(e + 1) * rows]
 
 
 class _Reader(GGUFReader):
@@ -166,14 +194,19 @@ def read_gguf(path: str | Path, families: FamilyRegistry = FAMILIES) -> GGUFChec
     does not implement, and ModelLoadError for a file that is not GGUF or is cut short.
     """
     arch = gguf_header.architecture(path)
-    family = families.for_gguf_arch(arch) if arch is not None else None
-    if family is None:
+    if arch is None or arch not in families.gguf_architectures:
         raise UnsupportedModelError(
             f"unsupported GGUF architecture {arch!r} in {Path(path).name}; "
             f"nanoserve reads {families.gguf_architectures}"
         )
     reader = _open(path)
     meta = _metadata(reader)
+    experts = bool(meta.get(f"{arch}.expert_count"))
+    family = families.for_gguf_arch(arch, experts)
+    if family is None:
+        what = "mixture-of-experts" if experts else "dense (expert_count 0)"
+        raise UnsupportedModelError(f"unsupported GGUF model: {what} {arch!r} in {Path(path).name}; nanoserve "
+                                    f"reads {arch!r} files {'without' if experts else 'with'} experts only")
     generation_eos = _generation_eos(meta)
     tokenizer = _tokenizer(meta, generation_eos)
     hf_config = _hf_config(meta, family, {t.name: t for t in reader.tensors})
@@ -287,8 +320,6 @@ def _hf_config(meta: dict[str, Any], family: Family, tensors: dict[str, ReaderTe
     """The `config.json` the file was converted from, as far as the decoder needs it."""
     assert family.gguf is not None
     arch = family.gguf.name
-    if meta.get(f"{arch}.expert_count"):
-        raise UnsupportedModelError(f"unsupported GGUF model: mixture-of-experts {arch!r} (expert_count > 0)")
     heads = _require(meta, f"{arch}.attention.head_count")
     hidden = _require(meta, f"{arch}.embedding_length")
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
@@ -312,6 +343,7 @@ def _hf_config(meta: dict[str, Any], family: Family, tensors: dict[str, ReaderTe
         "rope_parameters": {"rope_theta": theta, **_rope_scaling(meta, arch, tensors, head_dim, theta),
                             **({} if rotary_dim == head_dim else {"partial_rotary_factor": rotary_dim / head_dim})},
         **_family_fields(meta, family.gguf, layers),
+        **_moe_config(meta, family),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -331,6 +363,36 @@ def _family_fields(meta: dict[str, Any], arch: GGUFArch, layers: int) -> dict[st
     if arch.no_rope_interval is not None:
         fields["no_rope_layers"] = [int((i + 1) % arch.no_rope_interval != 0) for i in range(layers)]
     return fields
+
+
+def _moe_config(meta: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The config.json fields of a mixture of experts as llama.cpp reads the file: expert count,
+    experts per token, the expert width (under the family's `gguf_width_key`), and whether the
+    top-k weights are renormalised (`expert_weights_norm`, else llama.cpp's fixed rule for the
+    architecture). A softmax router only, weights unscaled, no shared experts: anything else is
+    refused."""
+    moe, arch = family.moe, family.gguf.name if family.gguf is not None else family.name
+    if moe is None:
+        return {}
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating is not None and gating != gguf.ExpertGatingFuncType.SOFTMAX:
+        raise UnsupportedModelError(f"unsupported GGUF {arch}.expert_gating_func={gating} (nanoserve routes by "
+                                    "softmax)")
+    if meta.get(f"{arch}.expert_weights_scale", 1.0) not in (0.0, 1.0):
+        raise UnsupportedModelError(f"unsupported GGUF {arch}.expert_weights_scale="
+                                    f"{meta[f'{arch}.expert_weights_scale']}")
+    if meta.get(f"{arch}.expert_shared_count"):
+        raise UnsupportedModelError(f"unsupported GGUF {arch}.expert_shared_count (nanoserve implements no shared "
+                                    "experts)")
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", moe.gguf_norm))
+    if moe.norm_switch is None and not norm:
+        raise UnsupportedModelError(f"unsupported GGUF {arch}.expert_weights_norm=false for {family.name}")
+    return {
+        moe.count_fields[0]: _require(meta, f"{arch}.expert_count"),
+        "num_experts_per_tok": _require(meta, f"{arch}.expert_used_count"),
+        moe.width_field: _require(meta, f"{arch}.{moe.gguf_width_key}"),
+        **({} if moe.norm_switch is None else {moe.norm_switch: norm}),
+    }
 
 
 def _decimals(t: ReaderTensor) -> list[float]:
@@ -432,9 +494,11 @@ def _to_torch(t: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
 def _quantized_rows(t: ReaderTensor) -> QuantizedRows:
     """A 2-D tensor of a `KEPT_TYPES` type as its raw blocks: uint8 [rows, row_bytes], a view of the
     memory map (the reader lays a quantized tensor out so already)."""
-    if t.data.ndim != 2:
-        raise UnsupportedModelError(f"GGUF tensor {t.name} of type {t.tensor_type.name} is not a matrix")
-    return QuantizedRows(KEPT_TYPES[t.tensor_type], torch.from_numpy(t.data.view(np.ndarray)), int(t.shape[0]))
+    if t.data.ndim not in (2, 3):
+        raise UnsupportedModelError(f"GGUF tensor {t.name} of type {t.tensor_type.name} is not a matrix or a stack "
+                                    "of them")
+    data = torch.from_numpy(t.data.view(np.ndarray))
+    return QuantizedRows(KEPT_TYPES[t.tensor_type], data.reshape(-1, data.shape[-1]), int(t.shape[0]))
 
 
 def _generation_eos(meta: dict[str, Any]) -> tuple[int, ...]:

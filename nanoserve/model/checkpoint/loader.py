@@ -216,7 +216,7 @@ def load_model(
         extra_stops = [*config.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
         tokenizer = Tokenizer.from_pretrained_dir(path, extra_stop_token_ids=extra_stops)
         quant = QuantConfig() if method is None else QuantConfig.for_layers(
-            method, families[config.family], config.num_hidden_layers)
+            method, families[config.family], config.num_hidden_layers, config.moe_layers)
     if quantization == DENSE and quant.formats:
         log.info("%s: --quantization dense: dequantizing its %s matrices to %s at load (no product quantizes "
                  "its activations)", path.name, ", ".join(sorted(quant.used_formats)),
@@ -268,7 +268,7 @@ def _check_file_decides(quant: QuantConfig, family: Family, config: ModelConfig,
     types) is already in the format `quantization` asks for: a file's formats are not changed."""
     method = QUANTIZATION_METHODS[quantization]
     assert method is not None
-    wanted = QuantConfig.for_layers(method, family, config.num_hidden_layers).formats
+    wanted = QuantConfig.for_layers(method, family, config.num_hidden_layers, config.moe_layers).formats
     if any(quant.formats.get(key) != fmt for key, fmt in wanted.items()):
         held = ", ".join(sorted(quant.used_formats)) or "no block formats"
         raise ValueError(f"--quantization {quantization} does not apply to {path.name}: a GGUF file's weights keep "

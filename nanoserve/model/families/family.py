@@ -43,17 +43,27 @@ class TensorName(NamedTuple):
     gguf: str
     param: str
     rows: str | None = None
+    # One expert's matrix of a mixture of experts: `hf` holds "{e}" where the expert's index goes
+    # (Hugging Face files store each expert apart), and the tensor fills expert e's rows of `param`,
+    # which stacks every expert's rows in expert order, as the GGUF tensor `gguf` stores them.
+    experts: bool = False
 
 
 class TensorRef(NamedTuple):
-    """A `TensorName` of one layer (`layer` None for the embedding, final norm and LM head)."""
+    """A `TensorName` of one layer (`layer` None for the embedding, final norm and LM head), and for
+    an `experts` tensor the expert (None: the stack of all of them, as a GGUF file names it)."""
 
     layer: int | None
     tensor: TensorName
+    expert: int | None = None
 
     @property
     def hf_name(self) -> str:
-        return self.tensor.hf if self.layer is None else f"model.layers.{self.layer}.{self.tensor.hf}"
+        """The Hugging Face name; an `experts` tensor's needs its expert."""
+        if self.tensor.experts and self.expert is None:
+            raise ValueError(f"{self.tensor.hf} names one expert's tensor: give the expert")
+        name = self.tensor.hf.format(e=self.expert) if self.tensor.experts else self.tensor.hf
+        return name if self.layer is None else f"model.layers.{self.layer}.{name}"
 
     @property
     def gguf_name(self) -> str:
@@ -81,6 +91,18 @@ QK_NORM_TENSORS = (
     TensorName("self_attn.q_norm.weight", "attn_q_norm.weight", "self_attn.q_norm.weight"),
     TensorName("self_attn.k_norm.weight", "attn_k_norm.weight", "self_attn.k_norm.weight"),
 )
+
+
+# A sparse mixture-of-experts MLP (Qwen3-MoE, OLMoE): the router and each expert's SwiGLU matrices,
+# stacked by llama.cpp's converter into one GGUF tensor per kind (`ffn_*_exps`: [E, I, H]).
+MOE_TENSORS = (
+    TensorName("mlp.gate.weight", "ffn_gate_inp.weight", "mlp.router"),
+    TensorName("mlp.experts.{e}.gate_proj.weight", "ffn_gate_exps.weight", "mlp.gate_exps", experts=True),
+    TensorName("mlp.experts.{e}.up_proj.weight", "ffn_up_exps.weight", "mlp.up_exps", experts=True),
+    TensorName("mlp.experts.{e}.down_proj.weight", "ffn_down_exps.weight", "mlp.down_exps", experts=True),
+)
+# The dense MLP's tensors, which an MoE layer has none of.
+DENSE_MLP_PARAMS = ("mlp.gate_up_proj", "mlp.down_proj")
 
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
@@ -114,6 +136,37 @@ class LayerShape:
     def __post_init__(self) -> None:
         if self.norms not in NORM_PLACEMENTS or self.qk_norm_over not in ("head", "projection"):
             raise ValueError(f"unknown layer shape {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class MoEShape:
+    """How a family's config.json declares its sparse mixture-of-experts MLPs (no shared experts:
+    none of the families declared so has them). The router is a [E, H] matrix; each token takes
+    softmax over its E logits (fp32), keeps the top `num_experts_per_tok`, optionally
+    renormalises those to sum to 1, and sums the chosen experts' SwiGLU outputs weighted so.
+
+    - `count_fields`: config.json fields of the expert count E, the first present one read
+      (transformers writes Qwen3-MoE's as `num_local_experts`, hub files as `num_experts`).
+    - `width_field`: the field of each expert's intermediate width I.
+    - `norm_switch`: the field saying whether the top-k weights are renormalised (absent: false);
+      None: always renormalised (Mixtral, whose softmax is over the top-k logits, the same thing).
+    - `weights_in_dtype`: the routing weights are rounded to the model's dtype before they weight
+      the experts (transformers' Qwen3-MoE and OLMoE routers; Mixtral's keep fp32).
+    - `sparse_step`: `decoder_sparse_step` and `mlp_only_layers` pick the MoE layers, the others
+      being dense MLPs of `intermediate_size` (Qwen3-MoE); otherwise every layer is MoE.
+    - `gguf_norm`: whether llama.cpp renormalises for the family's GGUF architecture, which it
+      hard-codes (qwen3moe and llama: yes, olmoe: no); a file may say otherwise under
+      `{arch}.expert_weights_norm`.
+    - `gguf_width_key`: the GGUF key (after `{arch}.`) of the expert width.
+    """
+
+    count_fields: tuple[str, ...]
+    width_field: str
+    norm_switch: str | None
+    weights_in_dtype: bool
+    sparse_step: bool
+    gguf_norm: bool
+    gguf_width_key: str = "feed_forward_length"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +230,9 @@ class Family:
     # stands for (Gemma3ForConditionalGeneration: "model.language_model." for "model."); its
     # config.json then nests the decoder's fields in `text_config`. Other tensors are not read.
     text_prefixes: tuple[tuple[str, str], ...] = ()
+    # Sparse mixture-of-experts MLPs (`nanoserve.model.moe`): how config.json declares them; their
+    # tensors are among `layer_tensors` (`MOE_TENSORS`, or the family's names for them).
+    moe: MoEShape | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.rope_types) - set(ROPE_TYPES))
@@ -199,7 +255,15 @@ class Family:
         m = _HF_LAYER.match(hf_name)
         if m is None:
             return next((TensorRef(None, t) for t in self.global_tensors if t.hf == hf_name), None)
-        return next((TensorRef(int(m.group(1)), t) for t in self.layer_tensors if t.hf == m.group(2)), None)
+        layer, name = int(m.group(1)), m.group(2)
+        for t in self.layer_tensors:
+            if t.experts:
+                expert = re.fullmatch(re.escape(t.hf).replace(r"\{e\}", r"(\d+)"), name)
+                if expert is not None:
+                    return TensorRef(layer, t, int(expert.group(1)))
+            elif t.hf == name:
+                return TensorRef(layer, t)
+        return None
 
     def tensor_by_gguf(self, gguf_name: str) -> TensorRef | None:
         """The tensor a GGUF name denotes, or None if the family has no such tensor."""
@@ -257,6 +321,9 @@ class FamilyRegistry:
                 return family
         return next((f for f in self.families if f.name == cfg.get("model_type")), None)
 
-    def for_gguf_arch(self, arch: str) -> Family | None:
-        """The first family stored as GGUF architecture `arch`, or None."""
-        return next((f for f in self.families if f.gguf is not None and f.gguf.name == arch), None)
+    def for_gguf_arch(self, arch: str, experts: bool = False) -> Family | None:
+        """The first family stored as GGUF architecture `arch` whose MLPs are mixtures of experts
+        when `experts` (the file's `{arch}.expert_count` > 0: llama.cpp writes Mixtral as `llama`)
+        and dense otherwise, or None."""
+        return next((f for f in self.families if f.gguf is not None and f.gguf.name == arch
+                     and (f.moe is not None) == experts), None)

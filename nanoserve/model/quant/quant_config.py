@@ -26,13 +26,16 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.model.families import Family
+from nanoserve.model.families import MOE_TENSORS, Family
+from nanoserve.model.families.family import DENSE_MLP_PARAMS
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight, StackedWeight
 from nanoserve.model.quant.weight_formats import DenseWeight, LinearWeight
 
 DENSE = "dense"
-# The matrices of a decoder layer (`--quantization` quantizes these; norms and biases stay dense).
-LAYER_MATRICES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# The matrices of a decoder layer (`--quantization` quantizes these; norms, biases and an MoE
+# layer's router stay dense): a dense MLP's, or a mixture of experts' stacked expert matrices.
+EXPERT_MATRICES = tuple(t.param for t in MOE_TENSORS if t.experts)
+LAYER_MATRICES = ("self_attn.qkv_proj", "self_attn.o_proj", *DENSE_MLP_PARAMS, *EXPERT_MATRICES)
 
 
 class WeightKey(NamedTuple):
@@ -66,12 +69,18 @@ class QuantConfig:
         return cls(MappingProxyType(table))
 
     @classmethod
-    def for_layers(cls, fmt: str, family: Family, num_layers: int) -> QuantConfig:
-        """Every block of every `LAYER_MATRICES` matrix of `num_layers` layers in `fmt`; the
-        embedding, LM head, norms and biases dense."""
+    def for_layers(cls, fmt: str, family: Family, num_layers: int, moe_layers: tuple[int, ...] = ()) -> QuantConfig:
+        """Every block of every `LAYER_MATRICES` matrix of `num_layers` layers in `fmt` (the expert
+        matrices in `moe_layers`, the dense MLP's in the others); the embedding, LM head, norms,
+        biases and routers dense."""
+        def in_layer(param: str, layer: int) -> bool:
+            return param not in (*DENSE_MLP_PARAMS, *EXPERT_MATRICES) or (param in EXPERT_MATRICES) == (
+                layer in moe_layers)
+
         return cls(MappingProxyType({
             WeightKey(i, t.param, t.rows): fmt
-            for i in range(num_layers) for t in family.layer_tensors if t.param in LAYER_MATRICES}))
+            for i in range(num_layers) for t in family.layer_tensors
+            if t.param in LAYER_MATRICES and in_layer(t.param, i)}))
 
     @property
     def used_formats(self) -> frozenset[str]:

@@ -3,7 +3,7 @@ strict pydantic models, and their translation into the chat completion request t
 
 Invariants: as in `openai`, types are strict, `null` means unset and unknown fields are kept in
 `model_extra`, where the handler refuses them (a 400 naming the field; in a nested part, such as a
-block or a tool, its validation does: `_Part`). Content blocks are told
+block or a tool, its validation does: `NestedModel`). Content blocks are told
 apart by their `type`; a block nanoserve does not take (image, document, redacted_thinking, a
 server tool) is a 400 naming where it is. `cache_control` is taken wherever Anthropic takes it and
 asks for nothing more: the prefix cache reuses every cached prefix unasked.
@@ -20,37 +20,24 @@ schema) is the chat's `response_format` of type json_schema.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.server.protocol.errors import APIError
+from nanoserve.server.protocol.nested import NestedModel
 from nanoserve.server.protocol.openai import ChatCompletionRequest
 
 _CONFIG = ConfigDict(strict=True, extra="allow")
 
 
-class _Part(BaseModel):
-    """A model nested in a request body: a field it does not know is a 400 naming it (unless sent
-    as null), as the request's own unknown fields are (`Serving.check_request`)."""
-
-    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": {"type": "null"}})
-
-    @model_validator(mode="after")
-    def _known_fields_only(self) -> Self:
-        unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
-        if unknown:
-            raise ValueError(f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
-        return self
-
-
-class TextBlock(_Part):
+class TextBlock(NestedModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, object] | None = None
 
 
-class ToolUseBlock(_Part):
+class ToolUseBlock(NestedModel):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -58,7 +45,7 @@ class ToolUseBlock(_Part):
     cache_control: dict[str, object] | None = None
 
 
-class ToolResultBlock(_Part):
+class ToolResultBlock(NestedModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -66,7 +53,7 @@ class ToolResultBlock(_Part):
     cache_control: dict[str, object] | None = None
 
 
-class ThinkingBlock(_Part):
+class ThinkingBlock(NestedModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
@@ -75,12 +62,12 @@ class ThinkingBlock(_Part):
 ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
-class Message(_Part):
+class Message(NestedModel):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
-class Tool(_Part):
+class Tool(NestedModel):
     """A client tool (Anthropic's server tools have other `type`s: a 400)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
@@ -90,13 +77,13 @@ class Tool(_Part):
     cache_control: dict[str, object] | None = None
 
 
-class ToolChoice(_Part):
+class ToolChoice(NestedModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(_Part):
+class ThinkingConfig(NestedModel):
     """`enabled` and `disabled` switch the chat template's `enable_thinking` (where the template
     reads it); `adaptive` leaves the template's default. `budget_tokens` is taken, as Anthropic
     describes it, as a target: the reply's thinking is bounded by `max_tokens` only."""
@@ -106,12 +93,12 @@ class ThinkingConfig(_Part):
     display: Literal["summarized"] | None = None
 
 
-class JSONOutputFormat(_Part):
+class JSONOutputFormat(NestedModel):
     type: Literal["json_schema"]
     schema_: dict[str, object] = Field(alias="schema")
 
 
-class OutputConfig(_Part):
+class OutputConfig(NestedModel):
     """`output_config`: `format` constrains the reply's text to a JSON schema (the chat's
     `response_format` of type json_schema); `effort` has no counterpart here (a 400 when set)."""
 

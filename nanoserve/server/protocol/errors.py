@@ -24,6 +24,9 @@ _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit
 _ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 ANTHROPIC_PATH = "/v1/messages"
+# The `code` of a 400 for a request field nanoserve does not implement, and the pydantic error type
+# a nested model raises for one (`nested.NestedModel`), whose `ctx["field"]` names it.
+UNSUPPORTED_FIELD = "unsupported_field"
 
 
 def error_type(status: int) -> str:
@@ -77,24 +80,62 @@ def bad_request(error: ValueError, fields: frozenset[str] = frozenset()) -> APIE
     return APIError(400, message, param=first if first in fields else None)
 
 
-def _param(loc: tuple[int | str, ...]) -> str | None:
+def _param(loc: tuple[int | str, ...], body: Any = None) -> str | None:
     """`messages.0.content` from pydantic's ('body', 'messages', 0, 'content', 'str'); a leading
-    'body' and union-member tags such as 'str' or 'list[int]' are dropped."""
+    'body' and union-member tags such as 'str' or 'list[int]' are dropped. Given the `body` sent,
+    the path is one that can be followed in it: a name that is not a key there on the way (a
+    tagged union's tag, such as a content block's 'text') is dropped too."""
     loc = loc[1:] if loc[:1] == ("body",) else loc
-    parts = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
-    return ".".join(parts) or None
+    followed = None if body is None else _follow(body, loc)
+    if followed is None:
+        followed = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    return ".".join(followed) or None
+
+
+def _follow(here: Any, loc: tuple[int | str, ...]) -> list[str] | None:
+    """The elements of `loc` that are keys and indices of `here`, in order; the last one may be a
+    field not sent. A name that is not one of them is skipped (a tag, a union member's name), but
+    a last name under a value that is not an object makes the path fail (None): so a tag that is
+    also a key (a text block's 'text') is taken for a key only where the rest follows."""
+    if not loc:
+        return []
+    p, rest = loc[0], loc[1:]
+    if isinstance(here, list) and isinstance(p, int):
+        sub = _follow(here[p], rest) if 0 <= p < len(here) else None
+        return None if sub is None else [str(p), *sub]
+    if isinstance(here, dict) and isinstance(p, str):
+        if p in here and (sub := _follow(here[p], rest)) is not None:
+            return [p, *sub]
+        if not rest and p.isidentifier() and p not in _TYPE_TAGS:
+            return [p]  # a field not sent
+    if isinstance(p, str) and (rest or not p.isidentifier() or p in _TYPE_TAGS):
+        return _follow(here, rest)
+    return None
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
-def invalid_request(errors: list[Any]) -> APIError:
-    """A 400 from pydantic errors; `param` is the first offending field."""
+def _where(error: Any, body: Any = None) -> str | None:
+    """The path of the field a pydantic error is about; for an unknown field of a nested model,
+    the path of that field (its model's path and its name)."""
+    loc = tuple(error.get("loc", ()))
+    if error.get("type") == UNSUPPORTED_FIELD:
+        loc = (*loc, str(error["ctx"]["field"]))
+    return _param(loc, body)
+
+
+def invalid_request(errors: list[Any], body: Any = None) -> APIError:
+    """A 400 from pydantic errors about `body` (the JSON sent, where known); `param` is the first
+    field nanoserve does not implement (code `unsupported_field`), else the first offending field."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return APIError(400, "the request body is not valid JSON")
-    param = _param(tuple(errors[0].get("loc", ()))) if errors else None
-    shown = sorted({f"{_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errors})
-    return APIError(400, "invalid request: " + "; ".join(shown[:5]), param=param)
+    # An unknown field is named before the other members of a union that failed for it.
+    first = next((e for e in errors if e.get("type") == UNSUPPORTED_FIELD), errors[0] if errors else None)
+    param = _where(first, body) if first is not None else None
+    code = UNSUPPORTED_FIELD if first is not None and first.get("type") == UNSUPPORTED_FIELD else None
+    shown = sorted({f"{_where(e, body) or 'body'}: {e.get('msg')}" for e in errors})
+    return APIError(400, "invalid request: " + "; ".join(shown[:5]), param=param, code=code)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

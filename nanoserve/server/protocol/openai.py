@@ -3,8 +3,10 @@
 Invariants: types are checked strictly (a string is never coerced to a number), so a wrong type is
 a 400 naming the field; every field is optional where the SDK may send `null`, and `null` means
 the default; unknown fields are kept in `model_extra`, where the handler refuses them (a 400
-naming the field: see `Serving.check_request`). Ranges are checked once, by
-`SamplingParams.validate`, when `sampling_params` builds the engine's params.
+naming the field: see `Serving.check_request`); a nested model (a tool, `stream_options`,
+`response_format`, ...) refuses its own (`NestedModel`), except a chat message, whose other fields
+(`tool_calls`, `tool_call_id`, `reasoning_content`, ...) are the chat template's to read. Ranges
+are checked once, by `SamplingParams.validate`, when `sampling_params` builds the engine's params.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from nanoserve.engine.sampling_params import SamplingParams, StructuredOutputs
 from nanoserve.server.protocol.errors import APIError, bad_request
+from nanoserve.server.protocol.nested import NestedModel
 
 _CONFIG = ConfigDict(strict=True, extra="allow")
 _SEED_BOUND = 2**63  # torch seeds are 64-bit; n > 1 adds the sample index to the seed
@@ -54,22 +57,22 @@ REFUSED_FIELDS: dict[str, str] = {
 }
 
 
-class StreamOptions(BaseModel):
-    model_config = _CONFIG
+class StreamOptions(NestedModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # a no-op: nanoserve's chunks carry no obfuscation padding
 
 
-class ContentPart(BaseModel):
-    model_config = _CONFIG
+class ContentPart(NestedModel):
     type: str
     text: str | None = None
 
+    def refused_as_a_whole(self) -> bool:
+        return self.type != "text"  # an image, audio or file part: "only text content parts" (`to_template`)
 
-class Prediction(BaseModel):
+
+class Prediction(NestedModel):
     """OpenAI's Predicted Outputs: text the answer is expected to mostly repeat."""
 
-    model_config = _CONFIG
     type: str
     content: str | list[ContentPart]
 
@@ -85,32 +88,30 @@ class Prediction(BaseModel):
         return "".join(p.text or "" for p in self.content)
 
 
-class FunctionDefinition(BaseModel):
-    model_config = _CONFIG
+class FunctionDefinition(NestedModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, object] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
-    model_config = _CONFIG
+class ToolDefinition(NestedModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = _CONFIG
+class NamedFunction(NestedModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = _CONFIG
+class NamedToolChoice(NestedModel):
     type: Literal["function"]
     function: NamedFunction
 
 
 class ChatMessage(BaseModel):
+    # Not a NestedModel: a message's fields beyond these go to the chat template as they are sent
+    # (`to_template`), as vLLM passes them; the template reads what it knows of them.
     model_config = _CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
@@ -150,26 +151,23 @@ def _decoded_arguments(call: object) -> object:
     return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(NestedModel):
     """`response_format.json_schema` (OpenAI): the schema the output must validate against."""
 
-    model_config = _CONFIG
     name: str | None = None
     description: str | None = None
     schema_: dict[str, object] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = _CONFIG
+class ResponseFormat(NestedModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsField(BaseModel):
+class StructuredOutputsField(NestedModel):
     """vLLM's `structured_outputs`: exactly one of its constraints."""
 
-    model_config = _CONFIG
     json_: dict[str, object] | str | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None

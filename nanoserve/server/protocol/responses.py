@@ -2,9 +2,10 @@
 
 The same invariants as `protocol.openai`: strict types (a wrong type is a 400 naming the field),
 `null` means the default, unknown top-level fields stay in `model_extra` for `check_request` to
-refuse. Input items are told apart by `type` (a message may leave it out, as the SDK's
-`EasyInputMessage` does); an item type nanoserve does not run (web search, computer use, ...) is a
-400 naming the item. Only function tools exist here.
+refuse, a nested model's (an input item's too) are refused by its validation (`NestedModel`).
+Input items are told apart by `type` (a message may leave it out, as the SDK's `EasyInputMessage`
+does); an item type nanoserve does not run (web search, computer use, ...) is a 400 naming the
+item. Only function tools exist here.
 
 Fields that would change the output and that nanoserve cannot honour are refused by
 `ResponsesRequest.unsupported` (a 400 naming the field), apart from their documented no-op values.
@@ -16,32 +17,32 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
+from nanoserve.server.protocol.nested import NestedModel
+
 _CONFIG = ConfigDict(strict=True, extra="allow")
 # The one `include` value honoured: reasoning items carry their text in `encrypted_content` too, for
 # clients that keep no state (`store: false`) and send reasoning back that way. It is not encrypted:
 # nanoserve holds no key, and the text is in the item's `content` already.
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
-_ITEM = ConfigDict(strict=True, extra="allow")
-# Input items keep unknown fields in `model_extra`, where `chat_messages` refuses those that are not
-# null; their schemas say so.
-_INPUT_ITEM = ConfigDict(strict=True, extra="allow", json_schema_extra={"additionalProperties": {"type": "null"}})
 
 
-class TextPart(BaseModel):
+class TextPart(NestedModel):
     """A content part of an input message: `input_text`, or `output_text` / `refusal` in an
     assistant message sent back; images, files and audio are a 400."""
 
-    model_config = ConfigDict(strict=True, extra="allow")  # output_text parts carry annotations, logprobs
     type: Literal["input_text", "output_text", "refusal"]
     text: str | None = None
     refusal: str | None = None
+    # What an `output_text` part of an earlier response carries, sent back with it (the SDK's
+    # `response.output` appended to the next input): the earlier turn's, changing nothing of this one.
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
     def plain(self) -> str:
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
-class MessageItem(BaseModel):
-    model_config = _INPUT_ITEM
+class MessageItem(NestedModel):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
@@ -53,8 +54,7 @@ class MessageItem(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.plain() for p in self.content)
 
 
-class FunctionCallItem(BaseModel):
-    model_config = _INPUT_ITEM
+class FunctionCallItem(NestedModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -63,8 +63,7 @@ class FunctionCallItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = _INPUT_ITEM
+class FunctionCallOutputItem(NestedModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
@@ -75,17 +74,15 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(p.plain() for p in self.output)
 
 
-class ReasoningText(BaseModel):
-    model_config = _ITEM
+class ReasoningText(NestedModel):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
 
-class ReasoningItem(BaseModel):
+class ReasoningItem(NestedModel):
     """A reasoning item of an earlier output, sent back: its text goes to the next assistant
     turn's `reasoning_content` (templates that keep past reasoning read it there)."""
 
-    model_config = _INPUT_ITEM
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
@@ -109,10 +106,9 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(NestedModel):
     """A Responses function tool: flat, where chat nests the same fields under `function`."""
 
-    model_config = _ITEM
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
@@ -120,16 +116,14 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class NamedFunctionChoice(BaseModel):
-    model_config = _ITEM
+class NamedFunctionChoice(NestedModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(BaseModel):
+class TextFormat(NestedModel):
     """`text.format`: plain text, any JSON object, or JSON valid against `schema`."""
 
-    model_config = _ITEM
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -137,21 +131,18 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextConfig(BaseModel):
-    model_config = _ITEM
+class TextConfig(NestedModel):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ReasoningConfig(BaseModel):
-    model_config = _ITEM
+class ReasoningConfig(NestedModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class StreamOptions(BaseModel):
-    model_config = _ITEM
+class StreamOptions(NestedModel):
     include_obfuscation: bool | None = None  # nanoserve never pads events: nothing to turn off
 
 
