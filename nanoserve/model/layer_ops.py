@@ -208,13 +208,13 @@ class CpuLayerOps:
         down [E * H, I] the experts stacked by rows. moe.cpp in one call when all three are
         block-quantized (each in its own format) and x is a contiguous [T, H] tensor of a dtype in
         DTYPES (ValueError otherwise): tokens grouped by expert, only the chosen experts read, each
-        token's row the same bits whatever the other tokens (batch invariant). Raises ValueError for
-        shapes that do not fit, IndexError for an id outside [0, E), `UnsupportedWeightFormat` for other weights."""
+        token's row the same bits whatever the other tokens (batch invariant). Other weights (dense
+        experts) go through `grouped_moe_ffn` on this class's products (batch invariant too).
+        Raises ValueError for shapes that do not fit, IndexError for an id outside [0, E)."""
         experts = _check_moe_shapes(x, gate, up, down, topk_ids, topk_weights)
         if not (isinstance(gate, BlockQuantWeight) and isinstance(up, BlockQuantWeight)
                 and isinstance(down, BlockQuantWeight)):
-            other = next(w for w in (gate, up, down) if not isinstance(w, BlockQuantWeight))
-            raise UnsupportedWeightFormat("CpuLayerOps.moe_ffn", other.format)
+            return grouped_moe_ffn(self, x, gate, up, down, topk_ids, topk_weights)
         _check(x)
         ids = topk_ids.to(torch.int64).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
@@ -282,11 +282,6 @@ class CpuLayerOps:
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """In torch (no C++ step of its own yet): `gelu_tanh_mul`."""
         return gelu_tanh_mul(gate_up)
-
-    def moe_ffn(self, x: torch.Tensor, gate: LinearWeight, up: LinearWeight, down: LinearWeight,
-                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """`grouped_moe_ffn` on the C++ products: batch invariant, as they are."""
-        return grouped_moe_ffn(self, x, gate, up, down, topk_ids, topk_weights)
 
 
 def embed_rows(ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:

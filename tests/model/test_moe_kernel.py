@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from nanoserve.model.layer_ops import CpuLayerOps
+from nanoserve.model.moe import grouped_moe_ffn
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight
-from nanoserve.model.quant.weight_formats import DenseWeight, UnsupportedWeightFormat
+from nanoserve.model.quant.weight_formats import DenseWeight
 from nanoserve.native import load_cpu_kernels
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
@@ -172,16 +173,17 @@ def check(ops: CpuLayerOps, fmts: tuple[str, ...], experts: int, k: int, hidden:
 
 
 def test_moe_ffn_refuses_what_it_does_not_take(ops: CpuLayerOps) -> None:
-    """A dense expert is not the kernel's (the generic grouped implementation takes it); an expert
-    id outside [0, E) and shapes that are not stacked experts are errors, raised before any work."""
+    """A dense expert is not the kernel's: the generic grouped implementation takes it; an expert id
+    outside [0, E) and shapes that are not stacked experts are errors, raised before any work."""
     rng = np.random.default_rng(0)
     gate = BlockQuantWeight("q8_0", torch.from_numpy(random_experts("q8_0", 2, 64, 256, [], rng)), 256, torch.float32)
     down = BlockQuantWeight("q8_0", torch.from_numpy(random_experts("q8_0", 2, 256, 64, [], rng)), 64, torch.float32)
     x = torch.randn(3, 256)
     ids, topk = torch.tensor([[0], [1], [0]]), torch.ones(3, 1)
     assert torch.isfinite(ops.moe_ffn(x, gate, gate, down, ids, topk)).all()
-    with pytest.raises(UnsupportedWeightFormat, match="dense"):
-        ops.moe_ffn(x, gate, gate, DenseWeight(torch.zeros(512, 64)), ids, topk)
+    dense = DenseWeight(torch.randn(512, 64))
+    grouped = grouped_moe_ffn(ops, x, gate, gate, dense, ids, topk)
+    assert torch.equal(ops.moe_ffn(x, gate, gate, dense, ids, topk), grouped)
     with pytest.raises(IndexError, match=r"\[0, 2\)"):
         ops.moe_ffn(x, gate, gate, down, torch.tensor([[0], [2], [0]]), topk)
     with pytest.raises(ValueError, match="stacked"):
