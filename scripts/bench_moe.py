@@ -2,7 +2,7 @@
 routed feed-forward against the bytes it must read.
 
 Usage: python scripts/bench_moe.py [--layers 4] [--formats Q8_0,Q4_K_M] [--threads 1,2] [--out DIR]
-       [--json PATH] [--no-llama-cpp]
+       [--json PATH] [--no-llama-cpp] [--rounds 3]; or --end-to-end FILE --threads N (nanoserve alone)
 
 1. Writes (once, into --out) a `qwen3moe` GGUF file per format with random but valid blocks (finite
    fp16 scales): Qwen3-30B-A3B's widths (hidden 2048, 128 experts of width 768, top-8, 32 query and 4
@@ -14,11 +14,13 @@ Usage: python scripts/bench_moe.py [--layers 4] [--formats Q8_0,Q4_K_M] [--threa
 2. llama.cpp on each file: `llama-bench -p 0 -n 64` (single-stream decode, each --threads count) and
    `llama-batched-bench -npp 16 -ntg 32 -npl 16,64` (decode of 16 and 64 sequences), each process's
    peak resident memory (its rusage).
-3. moe.cpp: one layer's `CpuLayerOps.moe_ffn` on the file's expert tensors (read into memory), for
+3. nanoserve.LLM on each file, in a process of its own per --threads count: decode of 1, 16 and 64
+   streams (greedy, 16-token prompts), the process's peak resident memory.
+4. moe.cpp: one layer's `CpuLayerOps.moe_ffn` on the file's expert tensors (read into memory), for
    1, 16 and 64 tokens routed uniformly at random (a fresh routing and the next layer's experts each
    call, so no expert stays in cache between calls), against the bytes of the distinct experts it
    reads: GB/s and the fraction of the machine's read bandwidth (nanoserve.bench.roofline).
-4. Where llama.cpp's test-backend-ops is built (TEST_BACKEND_OPS, default beside llama-bench), its
+5. Where llama.cpp's test-backend-ops is built (TEST_BACKEND_OPS, default beside llama-bench), its
    perf mode's own Qwen3-30B-A3B cases of the grouped product (MUL_MAT_ID) alternated --rounds times
    with moe_ffn on the same shape and format, both at one thread with the experts hot in cache
    (as test-backend-ops runs them): a layer is three of its products (gate, up, down) against one
@@ -33,10 +35,12 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gguf
 import numpy as np
@@ -281,6 +285,34 @@ def side_by_side(path: Path, fmt: str, layers: int, bandwidth: float, rounds: in
             "load": " ".join(f"{x:.2f}" for x in os.getloadavg())}
 
 
+def nanoserve_end_to_end(path: Path, threads: int) -> dict[str, Any]:
+    """nanoserve.LLM on the file in a process of its own (`--end-to-end`): decode tok/s of 1, 16 and
+    64 streams (greedy 16-token prompts; a 64- or 32-token generation less a 2-token one) and the
+    process's peak resident memory."""
+    out = subprocess.run([sys.executable, __file__, "--end-to-end", str(path), "--threads", str(threads)],
+                         capture_output=True, text=True, check=True).stdout
+    return cast(dict[str, Any], json.loads(out.strip().splitlines()[-1]))
+
+
+def end_to_end(path: Path, threads: int) -> None:
+    """The body of `nanoserve_end_to_end`, printing its JSON last."""
+    from nanoserve.engine.sampling_params import SamplingParams
+    from nanoserve.runtime.llm import LLM
+
+    torch.set_num_threads(threads)
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=64 * 4 + 16, max_num_seqs=64)
+
+    def seconds(batch: int, tokens: int) -> float:
+        prompts = [[(7 * b + i) % 1000 + 10 for i in range(16)] for b in range(batch)]
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - start
+
+    rates = {batch: batch * (n - 2) / (seconds(batch, n) - seconds(batch, 2))
+             for batch, n in ((1, 64), (16, 32), (64, 32))}
+    print(json.dumps({"decode_tok_s": rates, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -290,8 +322,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the kernel-level comparison")
+    parser.add_argument("--end-to-end", type=Path, help="only nanoserve.LLM on this file (at the first --threads)")
     ns = parser.parse_args()
     threads = [int(t) for t in ns.threads.split(",")]
+    if ns.end_to_end:
+        end_to_end(ns.end_to_end, threads[0])
+        return
     ns.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"machine": machine_info(), "layers": ns.layers, "formats": {}}
     roofs = {}
@@ -304,6 +340,7 @@ def main() -> None:
         entry: dict[str, Any] = {"file": str(path), "file_bytes": path.stat().st_size}
         if not ns.no_llama_cpp:
             entry["llama_cpp"] = llama_cpp(path, threads)
+        entry["nanoserve"] = {t: nanoserve_end_to_end(path, t) for t in threads}
         entry["moe_ffn"] = {t: kernel(path, ns.layers, t, roofs[t].bandwidth, hot=False) for t in threads}
         if TEST_BACKEND_OPS.exists():
             entry["side_by_side"] = side_by_side(path, fmt, ns.layers, roofs[1].bandwidth, ns.rounds)
@@ -317,6 +354,9 @@ def main() -> None:
                                                         for t, r in lc["single_tok_s"].items())
                   + "; " + ", ".join(f"{b} streams {r:.1f}" for b, r in lc["batch_tok_s"].items())
                   + f"; peak RSS {lc['peak_rss_single'] / 2**30:.2f} / {lc['peak_rss_batch'] / 2**30:.2f} GiB")
+        for t, e2e in entry["nanoserve"].items():
+            rates = ", ".join(f"{b} streams {r:.1f}" for b, r in e2e["decode_tok_s"].items())
+            print(f"  nanoserve decode tok/s, {t} threads: {rates}; peak RSS {e2e['peak_rss'] / 2**30:.2f} GiB")
         print("  moe_ffn, one layer  | threads | tokens | us/call | GB/s | of read bandwidth")
         for t, rows in entry["moe_ffn"].items():
             for tokens, r in rows.items():
