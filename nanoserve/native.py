@@ -2,7 +2,8 @@
 failing that, at first use) and loaded with ctypes.
 
 The sources (every file in `csrc/`: `paged_attention.cpp`, `layer_ops.cpp`, `linear.cpp`,
-`quant.cpp` (products with GGUF block-quantized weights), `decoder.cpp`, which composes the others,
+`quant.cpp` (products with GGUF block-quantized weights), `moe.cpp` (a mixture-of-experts
+layer's routed feed-forward on block-quantized experts), `decoder.cpp`, which composes the others,
 and their headers) include no torch header and need no ninja: one `g++ -O3 -fopenmp` call builds
 them (`kernel_build`, which owns the sources, the flags and the build).
 
@@ -97,6 +98,9 @@ _PER_DTYPE = {
     # quant.cpp
     "nanoserve_quant_linear": Signature(_INT, (_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT)),
     "nanoserve_dequantize_rows": Signature(_INT, (_PTR, _INT, _I64, _I64, _PTR, _I64, _PTR, _INT)),
+    # moe.cpp
+    "nanoserve_moe_ffn": Signature(_INT, (_PTR, _PTR, _INT, _PTR, _INT, _PTR, _INT, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                                          _I64, _I64, _INT)),
     # paged_attention.cpp
     "nanoserve_paged_attention": Signature(_INT, (_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                   _I64, _I64, _I64, _F32, _INT)),

@@ -75,6 +75,15 @@ int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows
                                    int64_t n, uint16_t* out, int num_threads);
 int nanoserve_quant_isa();
 
+// moe.cpp (experts stacked by rows as GGUF stores them: gate, up [E * I, row_bytes(H)], down
+// [E * H, row_bytes(I)]; ids [T, k] in [0, E), weights [T, k])
+int nanoserve_moe_ffn_f32(const float* x, const uint8_t* gate, int gate_qtype, const uint8_t* up, int up_qtype,
+                          const uint8_t* down, int down_qtype, const int64_t* ids, const float* weights, float* out,
+                          int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, int num_threads);
+int nanoserve_moe_ffn_bf16(const uint16_t* x, const uint8_t* gate, int gate_qtype, const uint8_t* up, int up_qtype,
+                           const uint8_t* down, int down_qtype, const int64_t* ids, const float* weights,
+                           uint16_t* out, int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, int num_threads);
+
 // paged_attention.cpp
 int nanoserve_paged_attention_f32(const float* q, int64_t q_stride, const float* cache, float* out,
                                   const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens,

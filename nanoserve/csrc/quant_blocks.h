@@ -3,9 +3,9 @@
 // dot products (Group<Q>), and the dequantization of whole rows (dequantize_row, for
 // dequantize_rows).
 //
-// Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
-// quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that
-// one translation unit, so the compiler inlines and specialises as within a single file.
+// Private to the products' translation units (included by quant.cpp, moe.cpp and the other quant_*.h
+// only; see quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage
+// in each translation unit, so the compiler inlines and specialises as within a single file.
 //
 // W layout: [N rows, row_bytes] row-major, each row its blocks side by side, byte for byte as a
 // GGUF tensor (nanoserve/model/block_quant.py spells the block layouts out). Every weight value is

@@ -2,9 +2,9 @@
 // then W's groups (quant_blocks.h) against them with vpdpbusd / vpmaddubsw, for a range of output
 // columns (column_range; quant.cpp shares the ranges among threads). AVX2 and up only.
 //
-// Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
-// quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that
-// one translation unit, so the compiler inlines and specialises as within a single file.
+// Private to the products' translation units (included by quant.cpp, moe.cpp and the other quant_*.h
+// only; see quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage
+// in each translation unit, so the compiler inlines and specialises as within a single file.
 //
 // Activations are quantized per product, row by row, in blocks of 32: dx = max|x| / 127, qx =
 // round(x / dx) in [-127, 127]. A 32-value stretch ("chunk") of a row of W then contributes
@@ -182,6 +182,28 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
     a.k16.clear();
     a.sums16.clear();
   }
+}
+
+// out = rows `rows[0 .. n)` of in, in that order, every field (a row of each field is a fixed number
+// of elements: Kp for q and q256, Kp / 4 for the lane fields, Kp / 256 and Kp / 16 for unit, k16 and
+// sums16; the super-block fields empty when in's are).
+inline void gather_activations(const Activations& in, const int64_t* rows, int64_t n, Activations& out) {
+  out.Kp = in.Kp;
+  const auto take = [&](const auto& from, auto& to, int64_t per_row) {
+    to.resize(from.empty() ? 0 : n * per_row);
+    if (from.empty()) return;
+    for (int64_t i = 0; i < n; ++i)
+      std::copy_n(from.begin() + rows[i] * per_row, per_row, to.begin() + i * per_row);
+  };
+  const int64_t Kp = in.Kp;
+  take(in.q, out.q, Kp);
+  take(in.scale, out.scale, Kp / 4);
+  take(in.base, out.base, Kp / 4);
+  take(in.lane_sums, out.lane_sums, Kp / 4);
+  take(in.q256, out.q256, Kp);
+  take(in.unit, out.unit, Kp / 256);
+  take(in.k16, out.k16, Kp / 16);
+  take(in.sums16, out.sums16, Kp / 16);
 }
 
 // Vector v's int16 lanes of a super-block's sixteen scales s16 (IntScales): each pair of values

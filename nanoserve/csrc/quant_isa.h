@@ -2,9 +2,9 @@
 // (-march=native, or the older ISA a test builds for), and the vector types and operations that
 // quant_blocks.h and quant_dot.h are written in, so that each is written once for every path.
 //
-// Private to quant.cpp's translation unit (included by quant.cpp and the other quant_*.h only; see
-// quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage in that
-// one translation unit, so the compiler inlines and specialises as within a single file.
+// Private to the products' translation units (included by quant.cpp, moe.cpp and the other quant_*.h
+// only; see quant.cpp for the files' roles). Everything is in the unnamed namespace: internal linkage
+// in each translation unit, so the compiler inlines and specialises as within a single file.
 //
 // The paths (kIsa, which nanoserve_quant_isa reports):
 //   3  AVX512-VNNI with BW and DQ: 512-bit vectors (IV, FV) of two 32-value chunks, vpdpbusd;

@@ -148,6 +148,7 @@ class CpuLayerOps:
         self._quant_linear = {dtype: getattr(lib, f"nanoserve_quant_linear_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         self._dequantize_rows = {dtype: getattr(lib, f"nanoserve_dequantize_rows_{s}")
                                  for dtype, s in DTYPE_SUFFIX.items()}
+        self._moe_ffn = {dtype: getattr(lib, f"nanoserve_moe_ffn_{s}") for dtype, s in DTYPE_SUFFIX.items()}
         # The products with fp32 outputs, by x's dtype (fp32 x: the products above).
         self._linear_f32 = {**self._linear, torch.bfloat16: lib.nanoserve_linear_bf16_out_f32}
         self._quant_linear_f32 = {**self._quant_linear, torch.bfloat16: lib.nanoserve_quant_linear_bf16_out_f32}
@@ -198,6 +199,36 @@ class CpuLayerOps:
                                part.out_features, part.in_features, threads)
                 out[:, cols] = columns
             offset += part.out_features
+        return out
+
+    def moe_ffn(self, x: torch.Tensor, gate: LinearWeight, up: LinearWeight, down: LinearWeight,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' SwiGLU of x [T, H], weighted: out[t] = sum_j topk_weights[t, j] *
+        down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j], with gate, up [E * I, H] and
+        down [E * H, I] the experts stacked by rows. moe.cpp in one call when all three are
+        block-quantized (each in its own format) and x is a contiguous [T, H] tensor of a dtype in
+        DTYPES (ValueError otherwise): tokens grouped by expert, only the chosen experts read, each
+        token's row the same bits whatever the other tokens (batch invariant). Other weights (dense
+        experts) go through `grouped_moe_ffn` on this class's products (batch invariant too).
+        Raises ValueError for shapes that do not fit, IndexError for an id outside [0, E)."""
+        experts = _check_moe_shapes(x, gate, up, down, topk_ids, topk_weights)
+        if not (isinstance(gate, BlockQuantWeight) and isinstance(up, BlockQuantWeight)
+                and isinstance(down, BlockQuantWeight)):
+            return grouped_moe_ffn(self, x, gate, up, down, topk_ids, topk_weights)
+        _check(x)
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        tokens, k = ids.shape
+        done = self._moe_ffn[x.dtype](
+            x.data_ptr(), gate.blocks.data_ptr(), int(BLOCK_FORMATS[gate.format].qtype), up.blocks.data_ptr(),
+            int(BLOCK_FORMATS[up.format].qtype), down.blocks.data_ptr(), int(BLOCK_FORMATS[down.format].qtype),
+            ids.data_ptr(), weights.data_ptr(), out.data_ptr(), tokens, k, experts, gate.in_features,
+            down.in_features, torch.get_num_threads())
+        if done == -1:
+            raise IndexError(f"moe_ffn: an expert id outside [0, {experts})")
+        if done != 1:
+            raise UnsupportedWeightFormat("moe.cpp", f"{gate.format}/{up.format}/{down.format}")
         return out
 
     def embed(self, ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
@@ -252,11 +283,6 @@ class CpuLayerOps:
         """In torch (no C++ step of its own yet): `gelu_tanh_mul`."""
         return gelu_tanh_mul(gate_up)
 
-    def moe_ffn(self, x: torch.Tensor, gate: LinearWeight, up: LinearWeight, down: LinearWeight,
-                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """`grouped_moe_ffn` on the C++ products: batch invariant, as they are."""
-        return grouped_moe_ffn(self, x, gate, up, down, topk_ids, topk_weights)
-
 
 def embed_rows(ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
     """The rows `ids` of `table` [*ids.shape, in_features] in the table's dtype: gathered from a
@@ -267,6 +293,25 @@ def embed_rows(ids: torch.Tensor, table: LinearWeight) -> torch.Tensor:
         rows = dequantize(table.rows[ids.reshape(-1)], table.dtype)
         return rows.reshape(*ids.shape, table.in_features)
     raise UnsupportedWeightFormat("embed", table.format)
+
+
+def _check_moe_shapes(x: torch.Tensor, gate: LinearWeight, up: LinearWeight, down: LinearWeight,
+                      topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
+    """The number of experts E of stacked gate, up [E * I, H] and down [E * H, I] for x [T, H] and
+    topk_ids, topk_weights [T, k]; ValueError naming what does not fit."""
+    hidden, inter = gate.in_features, down.in_features
+    experts = gate.out_features // inter if inter else 0
+    if (experts < 1 or gate.shape != up.shape or gate.out_features != experts * inter
+            or down.out_features != experts * hidden):
+        raise ValueError(f"moe_ffn: gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} are not "
+                         "experts stacked as [E * I, H], [E * I, H], [E * H, I]")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"moe_ffn: x {list(x.shape)} is not [tokens, {hidden}]")
+    if (topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]
+            or topk_ids.dtype.is_floating_point or not topk_weights.dtype.is_floating_point):
+        raise ValueError(f"moe_ffn: topk_ids {topk_ids.dtype} {list(topk_ids.shape)} and topk_weights "
+                         f"{topk_weights.dtype} {list(topk_weights.shape)} are not integer and float [{x.shape[0]}, k]")
+    return experts
 
 
 def _check(first: torch.Tensor, *others: torch.Tensor) -> None:
