@@ -12,6 +12,8 @@ import errno
 import functools
 import importlib.metadata
 import logging
+import os
+import signal
 import socket
 import sys
 import time
@@ -164,11 +166,16 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, listener: socket.socket) ->
     log.info("nanoserve %s: serving %s on %s; importing the server and the engine",
              importlib.metadata.version("nanoserve"), name, api_url(ns.host, listener.getsockname()[1]))
 
+    # Ctrl-C while importing: no process started yet and nothing to undo, so it exits at once.
+    # KeyboardInterrupt would not do: a library's bare `except:` around an optional import of its
+    # own can take it, and the start would go on.
+    previous = signal.signal(signal.SIGINT, _interrupted)
     from nanoserve.runtime.builder import build_engine
     from nanoserve.runtime.engine_core import EngineState
     from nanoserve.server import ServerConfig, build_app
     from nanoserve.server.connection_limits import ConnectionLimits, LimitedConfig
     from nanoserve.server.http_server import DrainingServer, serve_until_signal
+    signal.signal(signal.SIGINT, previous)
 
     def shut_down() -> None:
         server.should_exit = True  # nothing to serve (see the check below)
@@ -198,6 +205,12 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, listener: socket.socket) ->
         print(f"nanoserve: error: {what}: {front.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _interrupted(sig: int, frame: object) -> None:
+    """SIGINT's handler while `serve` imports: says so and exits 130 (as the CLI does on Ctrl-C)."""
+    print("nanoserve: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def api_url(host: str, port: int) -> str:
