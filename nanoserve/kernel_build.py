@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 CSRC = Path(__file__).with_name("csrc")
 PREBUILT = Path(__file__).with_name("kernels")  # where the package build puts its libraries
@@ -138,14 +138,32 @@ class Prebuilt(NamedTuple):
 def prebuilt_library(folder: Path, flags: frozenset[str] | None = None) -> Prebuilt:
     """The best prebuilt library in `folder` for a CPU with `flags` (this one's by default), if
     the folder's manifest was built from the current sources."""
+    variants, reason = _current_variants(folder)
+    have = cpu_flags() if flags is None else flags
+    for v in variants:
+        if set(v["cpu_flags"]) <= have and (folder / v["file"]).exists():
+            return Prebuilt(folder / v["file"], f"prebuilt for {v['name']}")
+    return Prebuilt(None, reason or "no prebuilt kernel library fits this CPU")
+
+
+def prebuilt_variant(folder: Path, isa: tuple[str, ...]) -> Prebuilt:
+    """The prebuilt library in `folder` compiled with exactly the instruction set flags `isa` (a
+    variant of `build_variants`), if the folder's manifest was built from the current sources."""
+    variants, reason = _current_variants(folder)
+    names = {v.name for v in build_variants() if v.isa == isa}
+    for v in variants:
+        if v["name"] in names and (folder / v["file"]).exists():
+            return Prebuilt(folder / v["file"], f"prebuilt for {v['name']}")
+    return Prebuilt(None, reason or f"no prebuilt kernel library built with {' '.join(isa)}")
+
+
+def _current_variants(folder: Path) -> tuple[list[dict[str, Any]], str]:
+    """The variants the manifest in `folder` lists, if it was built from the current sources; else
+    none, and why."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return Prebuilt(None, f"no prebuilt kernels in {folder}")
+        return [], f"no prebuilt kernels in {folder}"
     if manifest.get("source_hash") != source_hash():
-        return Prebuilt(None, "the prebuilt kernels are older than the sources in csrc/")
-    have = cpu_flags() if flags is None else flags
-    for v in manifest.get("variants", []):
-        if set(v["cpu_flags"]) <= have and (folder / v["file"]).exists():
-            return Prebuilt(folder / v["file"], f"prebuilt for {v['name']}")
-    return Prebuilt(None, "no prebuilt kernel library fits this CPU")
+        return [], "the prebuilt kernels are older than the sources in csrc/"
+    return list(manifest.get("variants", [])), ""

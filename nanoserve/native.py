@@ -130,7 +130,8 @@ def load_cpu_kernels(cache_dir: Path | None = None, isa: tuple[str, ...] | None 
     cannot be had. `isa` None: the best library in `prebuilt` (the package build's) for this CPU if
     it was built from the current sources, else one compiled for this CPU (`NATIVE_ISA`) in the
     cache folder (compiled first if this machine has no build of the current sources yet). `isa`
-    given: a build for those instruction set flags (a CPU this one can run), compiled likewise.
+    given: a build for those instruction set flags (a CPU this one can run): the package build's
+    variant with exactly those flags if it has one from the current sources, else compiled likewise.
     Cached: later calls with the same arguments and compiler ($CXX) return the same object."""
     return _load(os.environ.get("CXX", "g++"), (cache_dir or cache_root()) / "kernels", isa, prebuilt)
 
@@ -138,8 +139,9 @@ def load_cpu_kernels(cache_dir: Path | None = None, isa: tuple[str, ...] | None 
 @functools.cache
 def _load(compiler: str, folder: Path, isa: tuple[str, ...] | None, prebuilt: Path | None) -> ctypes.CDLL | None:
     lib = None
-    if isa is None and prebuilt is not None:
-        found = kernel_build.prebuilt_library(prebuilt)
+    if prebuilt is not None:
+        found = (kernel_build.prebuilt_library(prebuilt) if isa is None
+                 else kernel_build.prebuilt_variant(prebuilt, isa))
         if found.path is None:
             log.debug("%s; building the CPU kernels for this CPU", found.reason)
         else:

@@ -48,6 +48,21 @@ def test_a_stale_or_missing_build_is_never_picked(tmp_path: Path) -> None:
     assert kernel_build.prebuilt_library(tmp_path) == (None, "the prebuilt kernels are older than the sources in csrc/")
 
 
+def test_a_build_for_given_flags_is_the_variant_built_with_them(tmp_path: Path) -> None:
+    """`load_cpu_kernels(isa=...)` (the tests' builds for older instruction sets) takes the prebuilt
+    variant compiled with exactly those flags, when current, instead of compiling again."""
+    avx2 = next(v for v in kernel_build.X86_VARIANTS if v.name == "avx2")
+    _manifest(tmp_path, [(v.name, sorted(v.cpu_flags)) for v in kernel_build.X86_VARIANTS])
+    for v in kernel_build.X86_VARIANTS:
+        (tmp_path / f"nanoserve_cpu-{v.name}.so").touch()
+    assert kernel_build.prebuilt_variant(tmp_path, avx2.isa).path == tmp_path / "nanoserve_cpu-avx2.so"
+    assert kernel_build.prebuilt_variant(tmp_path, ("-march=x86-64",)) == (
+        None, "no prebuilt kernel library built with -march=x86-64")
+    _manifest(tmp_path, [("avx2", sorted(avx2.cpu_flags))], digest="0" * 16)
+    assert kernel_build.prebuilt_variant(tmp_path, avx2.isa) == (
+        None, "the prebuilt kernels are older than the sources in csrc/")
+
+
 def test_the_source_hash_covers_every_file_in_csrc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A source another change adds to csrc/ is compiled and hashed without being listed anywhere."""
     csrc = tmp_path / "csrc"
