@@ -7,7 +7,7 @@
 //   quant_isa.h     the path (AVX512-VNNI, AVX-VNNI, AVX2, scalar) the flags select, and the
 //                   vector operations the others are written in
 //   quant_blocks.h  the GGUF block formats: layouts, unpacking of W's groups, row dequantization
-//   quant_dot.h     the int8 dot products: activation quantization, dot_block, q8_0_dot4
+//   quant_dot.h     the int8 dot products: activation quantization, dot_block, column_range
 // Without AVX2 a plain scalar loop (here) dequantizes each row of W and multiplies it with x in
 // fp32 (no activation quantization). nanoserve_quant_isa reports which path the build takes.
 //

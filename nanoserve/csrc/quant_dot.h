@@ -35,18 +35,17 @@
 // Each lane's int32 is converted to fp32 and multiplied by its two scales into an fp32 accumulator
 // per (row of W, row of x).
 //
-// Structure: in a range of columns, W's rows in groups of NW (four for one row of x, two for more)
-// against the rows of x in groups of up to eight (kRowsX); each group of W's blocks is unpacked
-// into registers once per group of x rows and read from L1 for the next, so W streams from memory
-// once per call (the next group of rows prefetched meanwhile). One row of x against q8_0 W
-// (single-stream decode of a Q8_0 file) takes its own loop where the CPU has AVX512-VNNI
-// (q8_0_dot4), which shares the per-block work among four rows.
+// Structure: in a range of columns, W's rows in groups of NW (one for one row of x, else two)
+// against the rows of x in groups of up to kRowsX; each group of W's blocks is unpacked into
+// registers once per group of x rows and read from L1 for the next, so W streams from memory once
+// per call (with two rows of W, the next two prefetched meanwhile; one row is a sequential stream
+// the hardware prefetcher follows).
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
 // a step past K multiplies zeros; each output is reduced, biased and rounded to the output type once,
 // at the end. Each output's operations depend on its row of x and its row of W only, not on NW, MX,
-// M or the row's place (one accumulator per (row of W, row of x), the same lanes and order;
-// q8_0_dot4 makes dot_block<kQ8_0>'s operations in another loop): batch invariance.
+// M or the row's place (one accumulator per (row of W, row of x), the same lanes and order):
+// batch invariance.
 
 #pragma once
 
@@ -249,8 +248,9 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
     }
   for (int64_t k = 0; k < K; k += 256) {
     const int64_t g = k / 256;
-    for (int j = NW; j < 2 * NW; ++j)  // the next rows' same stretch, as in dot_block
-      for (int64_t at = g * bytes; at < (g + 1) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+    if constexpr (NW > 1)  // the next rows' same stretch, as in chunk_dot
+      for (int j = NW; j < 2 * NW; ++j)
+        for (int64_t at = g * bytes; at < (g + 1) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
     IntScales sc[NW];
     G grp[NW];
     for (int j = 0; j < NW; ++j) {
@@ -328,23 +328,23 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
   // A step covers max(one group, one vector) of values: two q8_0 / q4_0 blocks per 512-bit vector.
   constexpr int64_t per_step = std::max<int64_t>(G::values, kVecValues);
   constexpr int64_t groups_per_step = per_step / G::values;
-  const int64_t num_groups = K / G::values;
-  for (int64_t k = 0; k < K; k += per_step) {
+  // One step of values [k, k + per_step); `pair`: its second group lies before K (false only for
+  // the last step of an odd number of 32-value blocks: a zero chunk, against zero-padded
+  // activations).
+  const auto step = [&](int64_t k, auto pair) {
     const int64_t g0 = k / G::values;
-    // The second group of a step may lie past K (an odd number of 32-value blocks): zero chunks,
-    // against zero-padded activations.
-    const bool pair = groups_per_step == 2 && g0 + 1 < num_groups;
-    // The same stretch of the next NW rows of W (the next call's, or the next task's: rows follow
-    // one another in memory), a cache line at a time: the hardware prefetcher does not run far
-    // enough ahead on NW interleaved streams, so W would otherwise arrive at a fraction of the rate
-    // memory delivers it. Into all cache levels (a prefetch never faults).
-    for (int j = NW; j < 2 * NW; ++j)
-      for (int64_t at = g0 * bytes; at < (g0 + groups_per_step) * bytes; at += 64)
-        __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+    // With several rows of W: the same stretch of the next NW rows (the next call's, or the next
+    // task's: rows follow one another in memory), a cache line at a time, since the hardware
+    // prefetcher does not run far enough ahead on NW interleaved streams. One row of W is one
+    // sequential stream, which the hardware prefetcher follows at the rate memory delivers.
+    if constexpr (NW > 1)
+      for (int j = NW; j < 2 * NW; ++j)
+        for (int64_t at = g0 * bytes; at < (g0 + groups_per_step) * bytes; at += 64)
+          __builtin_prefetch(w + j * row_bytes + at, 0, 3);
     G ga[NW], gb[NW];
     for (int j = 0; j < NW; ++j) {
       ga[j] = G(w + j * row_bytes + g0 * bytes);
-      if (pair) gb[j] = G(w + j * row_bytes + (g0 + 1) * bytes);
+      if constexpr (groups_per_step == 2 && pair) gb[j] = G(w + j * row_bytes + (g0 + 1) * bytes);
     }
     // Unrolled: each vector's offsets and lanes are then constants, with no address or index
     // arithmetic per vector.
@@ -380,7 +380,11 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
         }
       }
     }
-  }
+  };
+  const int64_t whole = groups_per_step == 2 ? K / per_step * per_step : K;  // steps with every group
+  int64_t k = 0;
+  for (; k < whole; k += per_step) step(k, std::true_type{});
+  if (k < K) step(k, std::false_type{});
   for (int j = 0; j < NW; ++j)
     for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]);
 }
@@ -418,80 +422,22 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
   }
 }
 
-#if defined(NANOSERVE_QUANT_ZMM)
-// res[j] = x . w_j for one row of x and four rows of q8_0 W: dot_block<kQ8_0, 4, 1>'s sums with the
-// per-block work shared among the rows, for the single-stream decode product (memory-bound only
-// if its arithmetic keeps well ahead of memory). A step takes two blocks of each row: the rows' eight
-// fp16 scales in one conversion, times x's two block scales in one multiply, spread over each row's
-// lanes by one permute; each row's quants as two 32-byte loads joined. The next four rows are
-// prefetched meanwhile, as in dot_block.
-void q8_0_dot4(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t K, float* res) {
-  constexpr int64_t bytes = layout(kQ8_0).bytes;
-  const int64_t num_blocks = K / layout(kQ8_0).values;
-  const auto scale = [&](int j, int64_t b) {
-    uint16_t h;
-    std::memcpy(&h, w + j * row_bytes + b * bytes, sizeof h);
-    return static_cast<uint64_t>(h);
-  };
-  __m512i spread[4];  // lanes 0-7 take scale 2j (row j's first block), lanes 8-15 scale 2j + 1
-  for (int j = 0; j < 4; ++j)
-    spread[j] = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  // Blocks b and b + 1; without a block b + 1 (an odd count), zero scale and quants in its place
-  // (x is zero-padded past K).
-  const auto step = [&](int64_t b, auto pair) {
-    for (int j = 4; j < 8; ++j) {
-      __builtin_prefetch(w + j * row_bytes + b * bytes, 0, 3);
-      __builtin_prefetch(w + j * row_bytes + b * bytes + 64, 0, 3);
-    }
-    uint64_t lo = scale(0, b) | scale(1, b) << 32, hi = scale(2, b) | scale(3, b) << 32;
-    if constexpr (pair) {
-      lo |= scale(0, b + 1) << 16 | scale(1, b + 1) << 48;
-      hi |= scale(2, b + 1) << 16 | scale(3, b + 1) << 48;
-    }
-    const __m256 ws = _mm256_cvtph_ps(_mm_insert_epi64(_mm_cvtsi64_si128(static_cast<int64_t>(lo)),
-                                                       static_cast<int64_t>(hi), 1));
-    const float* xs = a.scale.data() + b * kChunk / 4;  // x's lane scales, eight per block
-    const __m256 xs2 = _mm256_blend_ps(_mm256_set1_ps(xs[0]), _mm256_set1_ps(pair ? xs[8] : 0.0f), 0xaa);
-    const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(ws, xs2));
-    const __m512i xq = _mm512_loadu_si512(a.q.data() + b * kChunk);
-    const __m512i base = _mm512_loadu_si512(a.base.data() + b * kChunk / 4);
-    for (int j = 0; j < 4; ++j) {
-      const uint8_t* p = w + j * row_bytes + b * bytes + 2;
-      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i qb = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + bytes))
-                              : _mm256_setzero_si256();
-      const __m512i u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1), flip);
-      const __m512i dp = _mm512_dpbusd_epi32(base, u, xq);
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(spread[j], s), acc[j]);
-    }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= num_blocks; b += 2) step(b, std::true_type{});
-  if (b < num_blocks) step(b, std::false_type{});
-  for (int j = 0; j < 4; ++j) res[j] = _mm512_reduce_add_ps(acc[j]);
-}
-#endif
-
-// Output columns [begin, end) for all M rows of x, in out's row m at out + m * out_stride: at one row
-// of x four columns at a time (q8_0_dot4 for q8_0 where it exists), then pairs, then one.
+// Output columns [begin, end) for all M rows of x, in out's row m at out + m * out_stride. At one
+// row of x (single-stream decode, where W's bytes cost more than the arithmetic) one row of W at a
+// time: each row is one sequential stream, which the hardware prefetcher follows at the rate memory
+// delivers (several rows read side by side are several streams, which it follows at about half
+// that rate). With more rows of x (the arithmetic's cost), W's rows in pairs: each load of x
+// serves two.
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
   int64_t n = begin;
   if (M == 1) {
-#if defined(NANOSERVE_QUANT_ZMM)
-    if constexpr (Q == kQ8_0) {
-      for (float res[4]; n + 4 <= end; n += 4) {
-        q8_0_dot4(w + n * row_bytes, row_bytes, a, K, res);
-        for (int j = 0; j < 4; ++j) from_float(res[j] + (bias != nullptr ? to_float(bias[n + j]) : 0.0f), out + n + j);
-      }
-    } else
-#endif
-    {
-      for (; n + 4 <= end; n += 4) columns<Q, 4>(w, row_bytes, a, bias, out, out_stride, M, K, n);
+    for (float res[1][4]; n < end; ++n) {
+      dot_block<Q, 1, 1>(w + n * row_bytes, row_bytes, a, 0, K, res);
+      from_float(res[0][0] + (bias != nullptr ? to_float(bias[n]) : 0.0f), out + n);
     }
+    return;
   }
   for (; n + 2 <= end; n += 2) columns<Q, 2>(w, row_bytes, a, bias, out, out_stride, M, K, n);
   for (; n < end; ++n) columns<Q, 1>(w, row_bytes, a, bias, out, out_stride, M, K, n);
