@@ -195,20 +195,28 @@ def _server_argv(cfg: ServedConfig, label: str, gguf: Path, port: int,
     return argv, env
 
 
-def _wait_healthy(server: Server, timeout_s: float) -> None:
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Returns once `url`/health answers 200; RuntimeError if `process` exits first or `timeout_s`
+    passes."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        if server.process.poll() is not None:
-            raise RuntimeError(f"{server.label} exited with {server.process.returncode} before it was healthy:\n"
-                               f"{server.log_tail()}")
+        if process.poll() is not None:
+            raise RuntimeError(f"exited with {process.returncode} before it was healthy")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{server.label} was not healthy after {timeout_s:.0f} s:\n{server.log_tail()}")
+            raise RuntimeError(f"was not healthy after {timeout_s:.0f} s")
         time.sleep(0.25)
+
+
+def _wait_healthy(server: Server, timeout_s: float) -> None:
+    try:
+        wait_healthy(server.url, server.process, timeout_s)
+    except RuntimeError as e:
+        raise RuntimeError(f"{server.label} {e}:\n{server.log_tail()}") from None
 
 
 def _stop(server: Server) -> None:

@@ -14,7 +14,6 @@ token chose never read (their fp16 scales are NaN, so any read would spread NaNs
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 
 import gguf.quants
@@ -22,14 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.kernel_build import X86_VARIANTS
 from nanoserve.model.layer_ops import CpuLayerOps
 from nanoserve.model.moe import grouped_moe_ffn
 from nanoserve.model.quant.block_quant import BLOCK_FORMATS, BlockQuantWeight
 from nanoserve.model.quant.weight_formats import DenseWeight
-from nanoserve.native import load_cpu_kernels
+from tests.support.kernel_builds import BUILD_PARAMS, load_build
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 # Byte offsets of each format's fp16 scales within a block.
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
 NAN_FP16 = np.array([np.nan], dtype=np.float16).view(np.uint8)
@@ -38,36 +35,11 @@ FORMATS = [("q8_0",) * 3, ("q4_0",) * 3, ("q4_k",) * 3, ("q6_k",) * 3, ("q4_k", 
 HIDDEN, INTER = 256, 512
 
 
-AVX2_ISA = next(v.isa for v in X86_VARIANTS if v.name == "avx2")
-
-
-def _builds() -> Iterator[tuple[str, tuple[str, ...] | None]]:
-    yield "native", None
-    yield "no-vnni", AVX2_ISA  # the package build's AVX2 variant: prebuilt at install, else compiled
-    yield "no-avx2", ("-march=x86-64",)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return set(next(line for line in f if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
-
-
 # The builds for older instruction sets are the ones test_quant_kernels loads (the AVX2 one prebuilt at
 # install, the scalar one compiled once into the on-disk cache, which serves both files).
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=[needs_compiler] if name == "native" else
-                                                     [needs_compiler, pytest.mark.slow]) for name, _ in _builds()])
+@pytest.fixture(scope="module", params=BUILD_PARAMS)
 def ops(request: pytest.FixtureRequest) -> CpuLayerOps:
-    flags = _cpu_flags()
-    if request.param != "native" and not flags & {"avx512_vnni", "avx_vnni"}:
-        pytest.skip("this CPU has no VNNI: the native build is the AVX2 or scalar path already")
-    if request.param == "no-avx2" and "avx2" not in flags:
-        pytest.skip("this CPU has no AVX2: the native build is the scalar path already")
-    lib = load_cpu_kernels(isa=dict(_builds())[request.param])
-    assert lib is not None, "g++ is installed, so the library must build"
-    return CpuLayerOps(lib)
+    return CpuLayerOps(load_build(request.param))
 
 
 @pytest.fixture(autouse=True)

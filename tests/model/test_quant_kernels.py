@@ -16,15 +16,13 @@ scalar path (no activation quantization) is held to the same bound.
 from __future__ import annotations
 
 import ctypes
-import shutil
-from collections.abc import Iterator
 
 import gguf.quants
 import numpy as np
 import pytest
 import torch
 
-from nanoserve.kernel_build import X86_VARIANTS
+from nanoserve.kernel_build import cpu_flags
 from nanoserve.model.layer_ops import CpuLayerOps
 from nanoserve.model.quant.block_quant import (
     BLOCK_FORMATS,
@@ -36,8 +34,8 @@ from nanoserve.model.quant.block_quant import (
 )
 from nanoserve.model.quant.weight_formats import DenseWeight
 from nanoserve.native import load_cpu_kernels
+from tests.support.kernel_builds import BUILD_PARAMS, load_build, needs_compiler
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 FORMATS = list(BLOCK_FORMATS)
 # Byte offsets of each format's fp16 scales within a block.
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,),
@@ -51,37 +49,11 @@ ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX-VNNI", 1: "AVX2", 0: "scalar"}
 SUPERBLOCK_FORMATS = {"q4_k", "q5_k", "q6_k", "q3_k", "q2_k"}
 
 
-AVX2_ISA = next(v.isa for v in X86_VARIANTS if v.name == "avx2")
-
-
-def _builds() -> Iterator[tuple[str, tuple[str, ...] | None]]:
-    yield "native", None  # the library nanoserve loads: the package's prebuilt one for this CPU, else -march=native
-    yield "no-vnni", AVX2_ISA  # the package build's AVX2 variant: prebuilt at install, else compiled
-    yield "no-avx2", ("-march=x86-64",)
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return set(next(line for line in f if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
-
-
 # The native build is the fast tier's; of the builds for older instruction sets, the AVX2 one is the package
 # build's variant (prebuilt at install) and the scalar one is compiled once into the on-disk cache.
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=[needs_compiler] if name == "native" else
-                                                     [needs_compiler, pytest.mark.slow]) for name, _ in _builds()])
+@pytest.fixture(scope="module", params=BUILD_PARAMS)
 def build(request: pytest.FixtureRequest) -> tuple[str, ctypes.CDLL]:
-    isa = dict(_builds())[request.param]
-    flags = _cpu_flags()
-    if request.param != "native" and not flags & {"avx512_vnni", "avx_vnni"}:
-        pytest.skip("this CPU has no VNNI: the native build is the AVX2 or scalar path already")
-    if request.param == "no-avx2" and "avx2" not in flags:
-        pytest.skip("this CPU has no AVX2: the native build is the scalar path already")
-    built = load_cpu_kernels(isa=isa)
-    assert built is not None, f"g++ is installed, so the library must build with {isa}"
-    return request.param, built
+    return request.param, load_build(request.param)
 
 
 @pytest.fixture
@@ -92,7 +64,7 @@ def lib(build: tuple[str, ctypes.CDLL]) -> ctypes.CDLL:
 @pytest.mark.slow
 def test_each_build_runs_the_path_its_flags_select(build: tuple[str, ctypes.CDLL]) -> None:
     name, lib = build
-    flags = _cpu_flags()
+    flags = cpu_flags()
     native = 3 if {"avx512_vnni", "avx512bw", "avx512dq"} <= flags else (
         2 if "avx_vnni" in flags else (1 if "avx2" in flags else 0))
     expected = {"native": native, "no-vnni": 1, "no-avx2": 0}[name]
