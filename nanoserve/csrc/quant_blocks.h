@@ -547,6 +547,22 @@ struct Group<kQ2_K> {
 #endif
 };
 
+// q3_k_scales of the block at p in one vector's bytes, computed in registers (no round trip through
+// memory): the 16 bytes at p + 94 (the block's last, so the load stays inside it) hold the 12 scale
+// bytes at 2 .. 13; scale i's nibble is byte 2 + i % 8 (low nibble for i < 8, high for i >= 8), its top
+// two bits those of byte 10 + i % 4 at 2 (i / 4) (one variable shift per dword: dword i / 4), and
+// sc - 32 a byte subtraction.
+inline __m128i q3_k_scales16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 94));
+  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7, 8, 9));
+  const __m128i nibbles = _mm_and_si128(_mm_unpacklo_epi64(low, _mm_srli_epi16(low, 4)), _mm_set1_epi8(0x0f));
+  const __m128i top = _mm_srlv_epi32(_mm_shuffle_epi8(v, _mm_setr_epi8(10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 13,
+                                                                       10, 11, 12, 13)),
+                                     _mm_setr_epi32(0, 2, 4, 6));
+  const __m128i sc = _mm_or_si128(nibbles, _mm_and_si128(_mm_slli_epi32(top, 4), _mm_set1_epi8(0x30)));
+  return _mm_sub_epi8(sc, _mm_set1_epi8(32));
+}
+
 // The 256-value formats whose products accumulate each super-block in int32 (quant_dot.h's
 // superblock_dot): their u fit vpmaddubsw (u <= 63, no saturation) and their sub-block scales and
 // mins are small integers. (iq4_xs's u = table + 128 would saturate it: it keeps chunk_dot.)
@@ -594,10 +610,7 @@ inline IntScales int_scales(const uint8_t* p) {
     return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192))),
             _mm256_setzero_si256(), fp16(p + 208), 0.0f};
   } else if constexpr (Q == kQ3_K) {
-    alignas(16) int8_t sc[16];
-    q3_k_scales(p + 96, sc);
-    return {_mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc))), _mm256_setzero_si256(),
-            fp16(p + 108), 0.0f};
+    return {_mm256_cvtepi8_epi16(q3_k_scales16(p)), _mm256_setzero_si256(), fp16(p + 108), 0.0f};
   } else {  // q2_k: byte i = scale i (low nibble) and min i (high nibble)
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     IntScales r{_mm256_and_si256(b, _mm256_set1_epi16(0xf)), _mm256_srli_epi16(b, 4), 0.0f, 0.0f};
