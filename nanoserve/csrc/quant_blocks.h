@@ -528,11 +528,8 @@ struct Group<kIQ4_XS> {
   __m256 s(int c) const { return lanes_of(scale8, c); }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v, 2v + 1: the nibbles of bytes 0-15, then of bytes 16-31, at 8 + 32v
-    const __m256i q = load32(p + 8 + 32 * v);
-    // [low 0-15, low 16-31, high 0-15, high 16-31] in 128-bit lanes, reordered to lanes 0, 2, 1, 3.
-    const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles(q)), high_nibbles(q), 1);
-    const __m512i n = _mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0));
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())), n);
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())),
+                               nibbles32(load32(p + 8 + 32 * v)));
   }
   FV sv(int v) const {
     const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * v)),
@@ -577,8 +574,14 @@ struct Group<kQ3_K> {
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v, 2v + 1: the same 32 bytes of qs and of hmask, each shifted two ways
     const __m512i low = shifted_pair(p + 32 + 32 * (v / 2), 4 * (v % 2), 4 * (v % 2) + 2, 3);
-    const __m512i high = shifted_pair(p, 2 * v, 2 * v + 1, 1);
-    return _mm512_or_si512(low, _mm512_slli_epi16(high, 2));
+    // hmask's bits 2v, 2v + 1 moved straight to bit 2 (left by 2, 1 for v = 0, else right by 2v - 2,
+    // 2v - 1), masked, then merged with the low bits by one vpternlogd: low | high.
+    const __m512i hm = _mm512_broadcast_i64x4(load32(p));
+    const __m512i high =
+        v == 0 ? _mm512_sllv_epi16(hm, _mm512_inserti64x4(_mm512_set1_epi16(2), _mm256_set1_epi16(1), 1))
+               : _mm512_srlv_epi16(hm, _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * v - 2)),
+                                                          _mm256_set1_epi16(static_cast<int16_t>(2 * v - 1)), 1));
+    return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(4), 0xf8);
   }
 #else
   IV uv(int v) const { return u(v); }
