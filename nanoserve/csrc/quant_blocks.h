@@ -369,11 +369,13 @@ struct Group {
       return join(Group(a).u(0), b != nullptr ? Group(b).u(0) : _mm256_setzero_si256());
     } else {
       const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + qs_at));
-      const __m256i q = b != nullptr ? _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
-                                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qs_at)), 1)
-                                     : _mm256_zextsi128_si256(qa);
+      const __m256i q =
+          b != nullptr ? _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qs_at)), 1)
+                       : _mm256_zextsi128_si256(qa);
       const __m512i n = nibbles32(q);
-      if constexpr (Q == kIQ4_NL) return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())), n);
+      if constexpr (Q == kIQ4_NL)
+        return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())), n);
       if constexpr (five) {
         uint32_t qa_bits, qb_bits = 0;
         std::memcpy(&qa_bits, a + qs_at - 4, sizeof qa_bits);
@@ -395,7 +397,8 @@ struct Group {
     uint32_t wa, wb = 0;
     std::memcpy(&wa, a, sizeof wa);
     if (b != nullptr) std::memcpy(&wb, b, sizeof wb);
-    return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(wa | static_cast<uint64_t>(wb) << 32))));
+    const uint64_t both = wa | static_cast<uint64_t>(wb) << 32;
+    return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(both))));
   }
   // The index of lane `first` in lanes 0-7, lane first + 2 in lanes 8-15.
   static __m512i pair_lanes(int first) {
