@@ -305,10 +305,21 @@ inline __m256i nibbles16(const uint8_t* p) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
 }
 
+#if defined(NANOSERVE_QUANT_ZMM)
+// Two runs of 16 bytes of nibbles (q's halves) as two chunks in nibbles16's layout: the 128-bit lanes
+// of the result are q's first half's low nibbles, its high nibbles, then the second half's. Each half
+// copied to two lanes (one shuffle), the odd lanes shifted right by 4 (a masked shift), all masked.
+inline __m512i nibbles32(__m256i q) {
+  const __m512i z = _mm512_castsi256_si512(q);
+  const __m512i twice = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(1, 1, 0, 0));
+  return _mm512_and_si512(_mm512_mask_srli_epi16(twice, 0xff00ff00u, twice, 4), _mm512_set1_epi8(0x0f));
+}
+#endif
+
 // One group of W's blocks (one block: 32 or 256 values, `values`), decoded for the dot products:
 // u(c) chunk c's 32 unsigned bytes; uv(v) the same for vector v of the path (two chunks with
-// NANOSERVE_QUANT_ZMM), except that the 32-value formats there pair two groups in a vector (u(0)
-// of each, pair_scales). The groups that chunk_dot reads (the 32-value formats and iq4_xs) also
+// NANOSERVE_QUANT_ZMM), except that the 32-value formats there pair two groups in a vector (pair_u:
+// u(0) of each; pair_scales). The groups that chunk_dot reads (the 32-value formats and iq4_xs) also
 // give s(c) / sv(v), the 8 lane scales of a chunk (one per 4 values) or vector, and q4_1 / q5_1
 // their mins lane by lane (mv, pair_mins); the superblock_int formats' scales are int_scales'
 // (their groups are the unpacking of u only). Built from the block's address once per group, then
@@ -349,17 +360,63 @@ struct Group {
   // (q4_1, q5_1) what the block adds to each value, m, in the lanes of its chunk (mv, pair_mins).
   __m256 min8() const { return _mm256_set1_ps(fp16(p + 2)); }
 #if defined(NANOSERVE_QUANT_ZMM)
+  // A vector is two blocks, this one at a and the next at b (null: none): u(0) of the block at a in
+  // bytes 0-31, of the block at b (null: zeros) in bytes 32-63. The 4-bit formats unpack both blocks'
+  // nibbles at once (nibbles32); q5_0's and q5_1's fifth bits, a's then b's 32, are one 64-bit mask,
+  // bit i adding 0x10 to byte i.
+  static IV pair_u(const uint8_t* a, const uint8_t* b) {
+    if constexpr (Q == kQ8_0) {
+      return join(Group(a).u(0), b != nullptr ? Group(b).u(0) : _mm256_setzero_si256());
+    } else {
+      const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + qs_at));
+      const __m256i q =
+          b != nullptr ? _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + qs_at)), 1)
+                       : _mm256_zextsi128_si256(qa);
+      const __m512i n = nibbles32(q);
+      if constexpr (Q == kIQ4_NL)
+        return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())), n);
+      if constexpr (five) {
+        uint32_t qa_bits, qb_bits = 0;
+        std::memcpy(&qa_bits, a + qs_at - 4, sizeof qa_bits);
+        if (b != nullptr) std::memcpy(&qb_bits, b + qs_at - 4, sizeof qb_bits);
+        const __mmask64 fifth = _cvtu64_mask64(qa_bits | static_cast<uint64_t>(qb_bits) << 32);
+        return _mm512_mask_add_epi8(n, fifth, n, _mm512_set1_epi8(0x10));
+      }
+      return n;
+    }
+  }
   // m of the block at a in lanes 0-7, of the block at b (null: 0) in lanes 8-15 (as pair_scales).
-  static FV pair_mins(const uint8_t* a, const uint8_t* b) { return pair_scales(a + 2, b != nullptr ? b + 2 : nullptr); }
+  static FV pair_mins(const uint8_t* a, const uint8_t* b) {
+    static_assert(has_lane_mins(Q), "q4_1 and q5_1 only");
+    return _mm512_permutexvar_ps(pair_lanes(1), pair_d_m(a, b));
+  }
+  // q4_1, q5_1: d and m of the block at a and of the block at b (null: zeros) as floats, [da, ma, db,
+  // mb] in lanes 0-3: one load of the four bytes of each, one conversion for all four.
+  static __m512 pair_d_m(const uint8_t* a, const uint8_t* b) {
+    uint32_t wa, wb = 0;
+    std::memcpy(&wa, a, sizeof wa);
+    if (b != nullptr) std::memcpy(&wb, b, sizeof wb);
+    const uint64_t both = wa | static_cast<uint64_t>(wb) << 32;
+    return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(both))));
+  }
+  // The index of lane `first` in lanes 0-7, lane first + 2 in lanes 8-15.
+  static __m512i pair_lanes(int first) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(first)), _mm256_set1_epi32(first + 2), 1);
+  }
   // A vector is two blocks, this one at a and the next at b (null: none): d of the block at a in
   // lanes 0-7, of the block at b (null: 0) in lanes 8-15; one conversion for both.
   static FV pair_scales(const uint8_t* a, const uint8_t* b) {
-    uint16_t da, db = 0;
-    std::memcpy(&da, a, sizeof da);
-    if (b != nullptr) std::memcpy(&db, b, sizeof db);
-    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | static_cast<uint32_t>(db) << 16)));
-    return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
-                                 _mm512_castps128_ps512(both));
+    if constexpr (has_lane_mins(Q)) {
+      return _mm512_permutexvar_ps(pair_lanes(0), pair_d_m(a, b));
+    } else {
+      uint16_t da, db = 0;
+      std::memcpy(&da, a, sizeof da);
+      if (b != nullptr) std::memcpy(&db, b, sizeof db);
+      const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | static_cast<uint32_t>(db) << 16)));
+      return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
+                                   _mm512_castps128_ps512(both));
+    }
   }
 #else  // a vector is this one block
   IV uv(int) const { return u(0); }
@@ -474,11 +531,8 @@ struct Group<kIQ4_XS> {
   __m256 s(int c) const { return lanes_of(scale8, c); }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v, 2v + 1: the nibbles of bytes 0-15, then of bytes 16-31, at 8 + 32v
-    const __m256i q = load32(p + 8 + 32 * v);
-    // [low 0-15, low 16-31, high 0-15, high 16-31] in 128-bit lanes, reordered to lanes 0, 2, 1, 3.
-    const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles(q)), high_nibbles(q), 1);
-    const __m512i n = _mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0));
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())), n);
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())),
+                               nibbles32(load32(p + 8 + 32 * v)));
   }
   FV sv(int v) const {
     const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * v)),
@@ -523,8 +577,14 @@ struct Group<kQ3_K> {
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v, 2v + 1: the same 32 bytes of qs and of hmask, each shifted two ways
     const __m512i low = shifted_pair(p + 32 + 32 * (v / 2), 4 * (v % 2), 4 * (v % 2) + 2, 3);
-    const __m512i high = shifted_pair(p, 2 * v, 2 * v + 1, 1);
-    return _mm512_or_si512(low, _mm512_slli_epi16(high, 2));
+    // hmask's bits 2v, 2v + 1 moved straight to bit 2 (left by 2, 1 for v = 0, else right by 2v - 2,
+    // 2v - 1), masked, then merged with the low bits by one vpternlogd: low | high.
+    const __m512i hm = _mm512_broadcast_i64x4(load32(p));
+    const __m512i high =
+        v == 0 ? _mm512_sllv_epi16(hm, _mm512_inserti64x4(_mm512_set1_epi16(2), _mm256_set1_epi16(1), 1))
+               : _mm512_srlv_epi16(hm, _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * v - 2)),
+                                                          _mm256_set1_epi16(static_cast<int16_t>(2 * v - 1)), 1));
+    return _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(4), 0xf8);
   }
 #else
   IV uv(int v) const { return u(v); }
@@ -546,6 +606,22 @@ struct Group<kQ2_K> {
   IV uv(int v) const { return u(v); }
 #endif
 };
+
+// q3_k_scales of the block at p in one vector's bytes, computed in registers (no round trip through
+// memory): the 16 bytes at p + 94 (the block's last, so the load stays inside it) hold the 12 scale
+// bytes at 2 .. 13; scale i's nibble is byte 2 + i % 8 (low nibble for i < 8, high for i >= 8), its top
+// two bits those of byte 10 + i % 4 at 2 (i / 4) (one variable shift per dword: dword i / 4), and
+// sc - 32 a byte subtraction.
+inline __m128i q3_k_scales16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 94));
+  const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7, 8, 9));
+  const __m128i nibbles = _mm_and_si128(_mm_unpacklo_epi64(low, _mm_srli_epi16(low, 4)), _mm_set1_epi8(0x0f));
+  const __m128i top = _mm_srlv_epi32(_mm_shuffle_epi8(v, _mm_setr_epi8(10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 13,
+                                                                       10, 11, 12, 13)),
+                                     _mm_setr_epi32(0, 2, 4, 6));
+  const __m128i sc = _mm_or_si128(nibbles, _mm_and_si128(_mm_slli_epi32(top, 4), _mm_set1_epi8(0x30)));
+  return _mm_sub_epi8(sc, _mm_set1_epi8(32));
+}
 
 // The 256-value formats whose products accumulate each super-block in int32 (quant_dot.h's
 // superblock_dot): their u fit vpmaddubsw (u <= 63, no saturation) and their sub-block scales and
@@ -594,10 +670,7 @@ inline IntScales int_scales(const uint8_t* p) {
     return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192))),
             _mm256_setzero_si256(), fp16(p + 208), 0.0f};
   } else if constexpr (Q == kQ3_K) {
-    alignas(16) int8_t sc[16];
-    q3_k_scales(p + 96, sc);
-    return {_mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc))), _mm256_setzero_si256(),
-            fp16(p + 108), 0.0f};
+    return {_mm256_cvtepi8_epi16(q3_k_scales16(p)), _mm256_setzero_si256(), fp16(p + 108), 0.0f};
   } else {  // q2_k: byte i = scale i (low nibble) and min i (high nibble)
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     IntScales r{_mm256_and_si256(b, _mm256_set1_epi16(0xf)), _mm256_srli_epi16(b, 4), 0.0f, 0.0f};

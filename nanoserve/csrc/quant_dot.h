@@ -359,7 +359,7 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
           if constexpr (has_lane_mins(Q)) mins[j] = ga[j].mv(static_cast<int>(v));
         } else {  // two one-chunk groups in one vector
           const uint8_t* row = w + j * row_bytes + g0 * bytes;
-          u[j] = join(ga[j].u(0), pair ? gb[j].u(0) : _mm256_setzero_si256());
+          u[j] = G::pair_u(row, pair ? row + bytes : nullptr);
           s[j] = G::pair_scales(row, pair ? row + bytes : nullptr);
           if constexpr (has_lane_mins(Q)) mins[j] = G::pair_mins(row, pair ? row + bytes : nullptr);
         }
