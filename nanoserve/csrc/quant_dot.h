@@ -76,6 +76,7 @@ struct Activations {
   std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
   std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
   std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
+  std::vector<float> chunk_scale;  // [M, Kp / 32]: each chunk's dx (its lanes' scale, once)
   // The same rows quantized for the superblock_int formats, chunk c of a super-block with
   // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled when K is a multiple of 256 (then
   // Kp == K), else empty.
@@ -158,6 +159,7 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
   a.scale.assign(M * Kp / 4, 0.0f);
   a.base.assign(M * Kp / 4, 0);
   a.lane_sums.assign(M * Kp / 4, 0.0f);
+  a.chunk_scale.assign(M * Kp / kChunk, 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K / kChunk; ++c) {
       __m256 v[4];
@@ -169,6 +171,7 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + at), q);
       const __m256i lanes = lane_sums_of(q);
       _mm256_storeu_ps(a.scale.data() + at / 4, _mm256_set1_ps(d));
+      a.chunk_scale[at / kChunk] = d;
       _mm256_storeu_ps(a.lane_sums.data() + at / 4, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
                           _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset)));
@@ -199,6 +202,7 @@ inline void gather_activations(const Activations& in, const int64_t* rows, int64
   take(in.scale, out.scale, Kp / 4);
   take(in.base, out.base, Kp / 4);
   take(in.lane_sums, out.lane_sums, Kp / 4);
+  take(in.chunk_scale, out.chunk_scale, Kp / kChunk);
   take(in.q256, out.q256, Kp);
   take(in.unit, out.unit, Kp / 256);
   take(in.k16, out.k16, Kp / 16);
@@ -383,6 +387,43 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
   };
   const int64_t whole = groups_per_step == 2 ? K / per_step * per_step : K;  // steps with every group
   int64_t k = 0;
+#if defined(NANOSERVE_QUANT_ZMM)
+  // q8_0 at several rows of x, 256 values (eight blocks, four vectors) at a time: the eight products
+  // of W's block scales and x's chunk scales of each (row of W, row of x) in one multiply, each
+  // vector's two moved into its lanes by a permute (the same products as mul(s, xs) lane by lane).
+  if constexpr (Q == kQ8_0 && MX > 1) {
+    for (; k + 256 <= K; k += 256) {
+      const int64_t g0 = k / G::values;
+      if constexpr (NW > 1)
+        for (int j = NW; j < 2 * NW; ++j)
+          for (int64_t at = g0 * bytes; at < (g0 + 8) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+      IV u[4][NW];
+      __m256 s8[NW];
+      for (int j = 0; j < NW; ++j) {
+        const uint8_t* row = w + j * row_bytes + g0 * bytes;
+        uint16_t d[8];
+        for (int b = 0; b < 8; ++b) std::memcpy(&d[b], row + b * bytes, sizeof d[b]);
+        s8[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+        for (int v = 0; v < 4; ++v) u[v][j] = join(G(row + 2 * v * bytes).u(0), G(row + (2 * v + 1) * bytes).u(0));
+      }
+      for (int m = 0; m < MX; ++m) {
+        const int64_t row = (m0 + m) * Kp + k;
+        const __m256 xs8 = _mm256_loadu_ps(a.chunk_scale.data() + row / kChunk);
+        __m256 p[NW];
+        for (int j = 0; j < NW; ++j) p[j] = _mm256_mul_ps(s8[j], xs8);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const IV xq = load_i(a.q.data() + row + v * kVecValues);
+          const IV base = load_i(a.base.data() + (row + v * kVecValues) / 4);
+          const __m512i lanes = _mm512_inserti64x4(_mm512_set1_epi32(2 * v), _mm256_set1_epi32(2 * v + 1), 1);
+          for (int j = 0; j < NW; ++j)
+            acc[j][m] = fma(to_fp32(dot4(base, u[v][j], xq)), _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(p[j])),
+                            acc[j][m]);
+        }
+      }
+    }
+  }
+#endif
   for (; k < whole; k += per_step) step(k, std::true_type{});
   if (k < K) step(k, std::false_type{});
   for (int j = 0; j < NW; ++j)
