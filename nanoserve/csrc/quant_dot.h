@@ -439,14 +439,14 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
     chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
 }
 
-// Output columns [n0, n0 + NW) for all M rows, up to kRowsX rows of x at a time.
+// Output columns [n0, n0 + NW) for rows [m_begin, m_end) of x, up to kRowsX rows of x at a time.
 template <int Q, int NW, typename T, typename O>
 void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out, int64_t out_stride,
-             int64_t M, int64_t K, int64_t n0) {
+             int64_t m_begin, int64_t m_end, int64_t K, int64_t n0) {
   float res[kRowsX][4] = {};  // (initialised only to quiet -Wmaybe-uninitialized)
   const uint8_t* w0 = w + n0 * row_bytes;
-  for (int64_t m0 = 0, mx; m0 < M; m0 += mx) {
-    mx = std::min<int64_t>(kRowsX, M - m0);
+  for (int64_t m0 = m_begin, mx; m0 < m_end; m0 += mx) {
+    mx = std::min<int64_t>(kRowsX, m_end - m0);
     switch (mx) {
       case 8: dot_block<Q, NW, 8>(w0, row_bytes, a, m0, K, res); break;
       case 7: dot_block<Q, NW, 7>(w0, row_bytes, a, m0, K, res); break;
@@ -468,20 +468,33 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
 // time: each row is one sequential stream, which the hardware prefetcher follows at the rate memory
 // delivers (several rows read side by side are several streams, which it follows at about half
 // that rate). With more rows of x (the arithmetic's cost), W's rows in pairs: each load of x
-// serves two.
+// serves two; for the 32-value formats a block of kRowsX rows of x against each pair of the range
+// in turn (x's block stays in L1, the range's rows of W in L2), for the superblock_int formats each
+// pair against all rows of x in turn.
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
-  int64_t n = begin;
   if (M == 1) {
+    int64_t n = begin;
     for (float res[1][4]; n < end; ++n) {
       dot_block<Q, 1, 1>(w + n * row_bytes, row_bytes, a, 0, K, res);
       from_float(res[0][0] + (bias != nullptr ? to_float(bias[n]) : 0.0f), out + n);
     }
     return;
   }
-  for (; n + 2 <= end; n += 2) columns<Q, 2>(w, row_bytes, a, bias, out, out_stride, M, K, n);
-  for (; n < end; ++n) columns<Q, 1>(w, row_bytes, a, bias, out, out_stride, M, K, n);
+  // Columns [n, n + 2) (the range's last one alone if odd) for rows [m_begin, m_end) of x.
+  const auto pair = [&](int64_t n, int64_t m_begin, int64_t m_end) {
+    if (n + 2 <= end)
+      columns<Q, 2>(w, row_bytes, a, bias, out, out_stride, m_begin, m_end, K, n);
+    else
+      columns<Q, 1>(w, row_bytes, a, bias, out, out_stride, m_begin, m_end, K, n);
+  };
+  if constexpr (superblock_int(Q)) {  // each pair of W's rows against every row of x
+    for (int64_t n = begin; n < end; n += 2) pair(n, 0, M);
+  } else {  // each block of x's rows (from L1) against every row of W in the range (from L2)
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsX)
+      for (int64_t n = begin; n < end; n += 2) pair(n, m0, std::min<int64_t>(m0 + kRowsX, M));
+  }
 }
 
 }  // namespace
