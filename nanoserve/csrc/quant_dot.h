@@ -11,8 +11,10 @@
 //   sum_i w_i x_i ~= dx * (scale * (sum_i u_i qx_i - offset * sum_i qx_i) - min * sum_i qx_i)
 // where the integer sums are exact (chunk_dot). Per activation row we keep: qx (int8), the scale of
 // each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product instruction
-// starts from it, so the offset costs no instruction) and dx * the lane's sum of qx (for q4_1's and
-// q5_1's mins, one fma per vector).
+// starts from it, so the offset costs no instruction), dx * the lane's sum of qx (for q4_1's and
+// q5_1's mins, one fma per vector) and each chunk's dx once (q8_0 at several rows of x multiplies
+// eight blocks' scales by eight chunks' dx in one instruction, then moves each vector's two
+// products into its lanes: the same products as lane by lane).
 //
 // The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
 // take a form like llama.cpp's instead (superblock_dot): x quantized again with each chunk's dx a
@@ -37,9 +39,12 @@
 //
 // Structure: in a range of columns, W's rows in groups of NW (one for one row of x, else two)
 // against the rows of x in groups of up to kRowsX; each group of W's blocks is unpacked into
-// registers once per group of x rows and read from L1 for the next, so W streams from memory once
-// per call (with two rows of W, the next two prefetched meanwhile; one row is a sequential stream
-// the hardware prefetcher follows).
+// registers once per group of x rows and read from L1 for the next. The superblock_int formats take
+// each group of W's rows against all rows of x in turn, so W streams from memory once per call;
+// the 32-value formats (and iq4_xs) each group of x's rows against all the range's rows of W in
+// turn, so x's group stays in L1 and W streams from memory once, then from L2 (with two rows of W,
+// the next two prefetched meanwhile; one row is a sequential stream the hardware prefetcher
+// follows).
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
 // a step past K multiplies zeros; each output is reduced, biased and rounded to the output type once,
@@ -468,9 +473,9 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
 // time: each row is one sequential stream, which the hardware prefetcher follows at the rate memory
 // delivers (several rows read side by side are several streams, which it follows at about half
 // that rate). With more rows of x (the arithmetic's cost), W's rows in pairs: each load of x
-// serves two; for the 32-value formats a block of kRowsX rows of x against each pair of the range
-// in turn (x's block stays in L1, the range's rows of W in L2), for the superblock_int formats each
-// pair against all rows of x in turn.
+// serves two; for the 32-value formats (and iq4_xs) a block of kRowsX rows of x against each pair
+// of the range in turn (x's block stays in L1, the range's rows of W in L2), for the superblock_int
+// formats each pair against all rows of x in turn.
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
