@@ -11,8 +11,10 @@
 //   sum_i w_i x_i ~= dx * (scale * (sum_i u_i qx_i - offset * sum_i qx_i) - min * sum_i qx_i)
 // where the integer sums are exact (chunk_dot). Per activation row we keep: qx (int8), the scale of
 // each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product instruction
-// starts from it, so the offset costs no instruction) and dx * the lane's sum of qx (for q4_1's and
-// q5_1's mins, one fma per vector).
+// starts from it, so the offset costs no instruction), dx * the lane's sum of qx (for q4_1's and
+// q5_1's mins, one fma per vector) and each chunk's dx once (q8_0 at several rows of x multiplies
+// eight blocks' scales by eight chunks' dx in one instruction, then moves each vector's two
+// products into its lanes: the same products as lane by lane).
 //
 // The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
 // take a form like llama.cpp's instead (superblock_dot): x quantized again with each chunk's dx a
@@ -37,9 +39,12 @@
 //
 // Structure: in a range of columns, W's rows in groups of NW (one for one row of x, else two)
 // against the rows of x in groups of up to kRowsX; each group of W's blocks is unpacked into
-// registers once per group of x rows and read from L1 for the next, so W streams from memory once
-// per call (with two rows of W, the next two prefetched meanwhile; one row is a sequential stream
-// the hardware prefetcher follows).
+// registers once per group of x rows and read from L1 for the next. The superblock_int formats take
+// each group of W's rows against all rows of x in turn, so W streams from memory once per call;
+// the 32-value formats (and iq4_xs) each group of x's rows against all the range's rows of W in
+// turn, so x's group stays in L1 and W streams from memory once, then from L2 (with two rows of W,
+// the next two prefetched meanwhile; one row is a sequential stream the hardware prefetcher
+// follows).
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
 // a step past K multiplies zeros; each output is reduced, biased and rounded to the output type once,
@@ -76,6 +81,7 @@ struct Activations {
   std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
   std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
   std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
+  std::vector<float> chunk_scale;  // [M, Kp / 32]: each chunk's dx (its lanes' scale, once)
   // The same rows quantized for the superblock_int formats, chunk c of a super-block with
   // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled when K is a multiple of 256 (then
   // Kp == K), else empty.
@@ -158,6 +164,7 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
   a.scale.assign(M * Kp / 4, 0.0f);
   a.base.assign(M * Kp / 4, 0);
   a.lane_sums.assign(M * Kp / 4, 0.0f);
+  a.chunk_scale.assign(M * Kp / kChunk, 0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K / kChunk; ++c) {
       __m256 v[4];
@@ -169,6 +176,7 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + at), q);
       const __m256i lanes = lane_sums_of(q);
       _mm256_storeu_ps(a.scale.data() + at / 4, _mm256_set1_ps(d));
+      a.chunk_scale[at / kChunk] = d;
       _mm256_storeu_ps(a.lane_sums.data() + at / 4, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
                           _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset)));
@@ -199,6 +207,7 @@ inline void gather_activations(const Activations& in, const int64_t* rows, int64
   take(in.scale, out.scale, Kp / 4);
   take(in.base, out.base, Kp / 4);
   take(in.lane_sums, out.lane_sums, Kp / 4);
+  take(in.chunk_scale, out.chunk_scale, Kp / kChunk);
   take(in.q256, out.q256, Kp);
   take(in.unit, out.unit, Kp / 256);
   take(in.k16, out.k16, Kp / 16);
@@ -383,6 +392,43 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
   };
   const int64_t whole = groups_per_step == 2 ? K / per_step * per_step : K;  // steps with every group
   int64_t k = 0;
+#if defined(NANOSERVE_QUANT_ZMM)
+  // q8_0 at several rows of x, 256 values (eight blocks, four vectors) at a time: the eight products
+  // of W's block scales and x's chunk scales of each (row of W, row of x) in one multiply, each
+  // vector's two moved into its lanes by a permute (the same products as mul(s, xs) lane by lane).
+  if constexpr (Q == kQ8_0 && MX > 1) {
+    for (; k + 256 <= K; k += 256) {
+      const int64_t g0 = k / G::values;
+      if constexpr (NW > 1)
+        for (int j = NW; j < 2 * NW; ++j)
+          for (int64_t at = g0 * bytes; at < (g0 + 8) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+      IV u[4][NW];
+      __m256 s8[NW];
+      for (int j = 0; j < NW; ++j) {
+        const uint8_t* row = w + j * row_bytes + g0 * bytes;
+        uint16_t d[8];
+        for (int b = 0; b < 8; ++b) std::memcpy(&d[b], row + b * bytes, sizeof d[b]);
+        s8[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+        for (int v = 0; v < 4; ++v) u[v][j] = join(G(row + 2 * v * bytes).u(0), G(row + (2 * v + 1) * bytes).u(0));
+      }
+      for (int m = 0; m < MX; ++m) {
+        const int64_t row = (m0 + m) * Kp + k;
+        const __m256 xs8 = _mm256_loadu_ps(a.chunk_scale.data() + row / kChunk);
+        __m256 p[NW];
+        for (int j = 0; j < NW; ++j) p[j] = _mm256_mul_ps(s8[j], xs8);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const IV xq = load_i(a.q.data() + row + v * kVecValues);
+          const IV base = load_i(a.base.data() + (row + v * kVecValues) / 4);
+          const __m512i lanes = _mm512_inserti64x4(_mm512_set1_epi32(2 * v), _mm256_set1_epi32(2 * v + 1), 1);
+          for (int j = 0; j < NW; ++j)
+            acc[j][m] = fma(to_fp32(dot4(base, u[v][j], xq)), _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(p[j])),
+                            acc[j][m]);
+        }
+      }
+    }
+  }
+#endif
   for (; k < whole; k += per_step) step(k, std::true_type{});
   if (k < K) step(k, std::false_type{});
   for (int j = 0; j < NW; ++j)
@@ -398,14 +444,14 @@ void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
     chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
 }
 
-// Output columns [n0, n0 + NW) for all M rows, up to kRowsX rows of x at a time.
+// Output columns [n0, n0 + NW) for rows [m_begin, m_end) of x, up to kRowsX rows of x at a time.
 template <int Q, int NW, typename T, typename O>
 void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out, int64_t out_stride,
-             int64_t M, int64_t K, int64_t n0) {
+             int64_t m_begin, int64_t m_end, int64_t K, int64_t n0) {
   float res[kRowsX][4] = {};  // (initialised only to quiet -Wmaybe-uninitialized)
   const uint8_t* w0 = w + n0 * row_bytes;
-  for (int64_t m0 = 0, mx; m0 < M; m0 += mx) {
-    mx = std::min<int64_t>(kRowsX, M - m0);
+  for (int64_t m0 = m_begin, mx; m0 < m_end; m0 += mx) {
+    mx = std::min<int64_t>(kRowsX, m_end - m0);
     switch (mx) {
       case 8: dot_block<Q, NW, 8>(w0, row_bytes, a, m0, K, res); break;
       case 7: dot_block<Q, NW, 7>(w0, row_bytes, a, m0, K, res); break;
@@ -427,20 +473,33 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
 // time: each row is one sequential stream, which the hardware prefetcher follows at the rate memory
 // delivers (several rows read side by side are several streams, which it follows at about half
 // that rate). With more rows of x (the arithmetic's cost), W's rows in pairs: each load of x
-// serves two.
+// serves two; for the 32-value formats (and iq4_xs) a block of kRowsX rows of x against each pair
+// of the range in turn (x's block stays in L1, the range's rows of W in L2), for the superblock_int
+// formats each pair against all rows of x in turn.
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
-  int64_t n = begin;
   if (M == 1) {
+    int64_t n = begin;
     for (float res[1][4]; n < end; ++n) {
       dot_block<Q, 1, 1>(w + n * row_bytes, row_bytes, a, 0, K, res);
       from_float(res[0][0] + (bias != nullptr ? to_float(bias[n]) : 0.0f), out + n);
     }
     return;
   }
-  for (; n + 2 <= end; n += 2) columns<Q, 2>(w, row_bytes, a, bias, out, out_stride, M, K, n);
-  for (; n < end; ++n) columns<Q, 1>(w, row_bytes, a, bias, out, out_stride, M, K, n);
+  // Columns [n, n + 2) (the range's last one alone if odd) for rows [m_begin, m_end) of x.
+  const auto pair = [&](int64_t n, int64_t m_begin, int64_t m_end) {
+    if (n + 2 <= end)
+      columns<Q, 2>(w, row_bytes, a, bias, out, out_stride, m_begin, m_end, K, n);
+    else
+      columns<Q, 1>(w, row_bytes, a, bias, out, out_stride, m_begin, m_end, K, n);
+  };
+  if constexpr (superblock_int(Q)) {  // each pair of W's rows against every row of x
+    for (int64_t n = begin; n < end; n += 2) pair(n, 0, M);
+  } else {  // each block of x's rows (from L1) against every row of W in the range (from L2)
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsX)
+      for (int64_t n = begin; n < end; n += 2) pair(n, m0, std::min<int64_t>(m0 + kRowsX, M));
+  }
 }
 
 }  // namespace
