@@ -364,10 +364,11 @@ def test_abort_mid_stream_frees_the_matcher(url: str, engine: LLMEngine, monkeyp
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
             assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    break  # one chunk in: the request runs with its matcher; closing the stream aborts it
-            assert engine.num_live_grammars == 1
+            first = next(line for line in r.iter_lines() if line.startswith("data: {"))
+            # one chunk in: the request runs with its matcher; closing the stream aborts it
+            assert json.loads(first.removeprefix("data: "))["choices"][0]["text"], first
+            assert not release.expired, "the engine was let go by the hold's timeout before the test looked"
+            assert engine.num_live_grammars == 1, (first, engine.snapshot())
     finally:
         release.set()
     # the `url` fixture waits for the engine to be idle and checks that no matcher is left

@@ -54,15 +54,23 @@ def pace(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.
     monkeypatch.setattr(engine, "step", paced_step)
 
 
+class Hold(threading.Event):
+    """What `hold_steps` returns: set it to let the engine go on. `expired` turns true if the hold
+    lasted its whole timeout and let the engine go on by itself: a test that then checks what it
+    saw held must fail saying so, not on what the engine did meanwhile."""
+
+    expired: bool = False
+
+
 def hold_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool],
-               timeout: float = 60.0) -> threading.Event:
+               timeout: float = 120.0) -> Hold:
     """Makes the engine take no step while `when()` (called on the engine's thread before each step)
     is true, until the returned event is set or the hold has lasted `timeout` seconds. A held step
     waits a little and returns no output, so the engine's loop goes on taking commands: requests
     added wait, aborts are applied and free their blocks. Whatever the machine's load, what a test
     saw running is still running, at the same point, until the test lets the engine go on."""
     step = engine.step
-    release = threading.Event()
+    release = Hold()
     held_since: float | None = None
 
     def held_step() -> StepOutput:
@@ -72,13 +80,14 @@ def hold_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, when: Callabl
             if time.monotonic() - held_since < timeout:
                 time.sleep(0.005)
                 return StepOutput([])
+            release.expired = True
         return step()
 
     monkeypatch.setattr(engine, "step", held_step)
     return release
 
 
-def hold_after_first_output(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+def hold_after_first_output(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> Hold:
     """`hold_steps` once the engine has generated a token: a request that has streamed its first
     output is still running until the test sets the returned event."""
     start = engine.num_generated_tokens
@@ -86,7 +95,7 @@ def hold_after_first_output(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) 
 
 
 def gate_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, ready: Callable[[], bool],
-               timeout: float = 60.0) -> None:
+               timeout: float = 120.0) -> None:
     """`hold_steps` until `ready()` is first true (or `timeout` has passed), then steps as usual:
     what a test needs in the engine together is all there before the first step, however the
     machine's load spaces the requests' arrivals."""
