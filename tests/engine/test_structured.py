@@ -360,7 +360,7 @@ def test_bad_constraints_are_400_before_any_stream(url: str, body: dict[str, Any
 
 def test_abort_mid_stream_frees_the_matcher(url: str, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     release = hold_after_first_output(engine, monkeypatch)
-    body = {"prompt": "x", "max_tokens": 100, "stream": True, "guided_regex": "[a-z ]{90,}", "seed": 1}
+    body = {"prompt": "x", "max_tokens": 100, "stream": True, "guided_regex": "[a-z ]+", "seed": 1}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
             assert r.status_code == 200
