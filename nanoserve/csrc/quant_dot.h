@@ -350,11 +350,9 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
       for (int j = NW; j < 2 * NW; ++j)
         for (int64_t at = g0 * bytes; at < (g0 + groups_per_step) * bytes; at += 64)
           __builtin_prefetch(w + j * row_bytes + at, 0, 3);
-    G ga[NW], gb[NW];
-    for (int j = 0; j < NW; ++j) {
-      ga[j] = G(w + j * row_bytes + g0 * bytes);
-      if constexpr (groups_per_step == 2 && pair) gb[j] = G(w + j * row_bytes + (g0 + 1) * bytes);
-    }
+    G ga[NW];  // one group per step (two-group steps read their rows through G's pair_* functions)
+    if constexpr (groups_per_step == 1)
+      for (int j = 0; j < NW; ++j) ga[j] = G(w + j * row_bytes + g0 * bytes);
     // Unrolled: each vector's offsets and lanes are then constants, with no address or index
     // arithmetic per vector.
 #pragma GCC unroll 8
@@ -409,7 +407,7 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
         uint16_t d[8];
         for (int b = 0; b < 8; ++b) std::memcpy(&d[b], row + b * bytes, sizeof d[b]);
         s8[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
-        for (int v = 0; v < 4; ++v) u[v][j] = join(G(row + 2 * v * bytes).u(0), G(row + (2 * v + 1) * bytes).u(0));
+        for (int v = 0; v < 4; ++v) u[v][j] = G::pair_u(row + 2 * v * bytes, row + (2 * v + 1) * bytes);
       }
       for (int m = 0; m < MX; ++m) {
         const int64_t row = (m0 + m) * Kp + k;
