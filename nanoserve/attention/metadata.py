@@ -34,6 +34,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     seq_lens: torch.Tensor  # [num_seqs] int64
     query_start_loc: torch.Tensor  # [num_seqs + 1] int64, always on the CPU (the C++ kernels read it)
+    query_start_loc_device: torch.Tensor  # the same, on the device of the tensors above (the GPU kernels read it)
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     num_decodes: int
@@ -48,11 +49,13 @@ class AttentionMetadata:
         `block_tables` is [num_seqs, max_blocks], padded."""
         qsl = np.asarray(query_start_loc, dtype=np.int64)
         lens = np.asarray(seq_lens, dtype=np.int64)
+        qsl_host = torch.from_numpy(qsl)
         return cls(
             slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
             block_tables=torch.from_numpy(np.asarray(block_tables, dtype=np.int64)).to(device),
-            seq_lens=torch.from_numpy(lens).to(device), query_start_loc=torch.from_numpy(qsl),
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens.tolist(), num_decodes=num_decodes,
+            seq_lens=torch.from_numpy(lens).to(device), query_start_loc=qsl_host,
+            query_start_loc_device=qsl_host.to(device), query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=lens.tolist(), num_decodes=num_decodes,
             block_size=block_size,
         )
 
@@ -65,7 +68,8 @@ class AttentionMetadata:
         end = self.query_start_loc_cpu[n]
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:end], block_tables=self.block_tables[:n], seq_lens=self.seq_lens[:n],
-            query_start_loc=self.query_start_loc[: n + 1], query_start_loc_cpu=self.query_start_loc_cpu[: n + 1],
+            query_start_loc=self.query_start_loc[: n + 1], query_start_loc_device=self.query_start_loc_device[: n + 1],
+            query_start_loc_cpu=self.query_start_loc_cpu[: n + 1],
             seq_lens_cpu=self.seq_lens_cpu[:n], num_decodes=min(self.num_decodes, n), block_size=self.block_size,
         )
 

@@ -77,10 +77,8 @@ class TritonAttention(AttentionBackend):
             kern.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], out[:nd], scale,
                               self.decode_splits(meta), block_n=self.decode_block_n)
         if nd < meta.num_seqs:
-            qsl = meta.query_start_loc_cpu[nd:]
-            query_start = torch.tensor(qsl, dtype=torch.int64, device=q.device)
-            max_query_len = max(b - a for a, b in itertools.pairwise(qsl))
-            kern.paged_prefill(q, k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:], query_start,
+            max_query_len = max(b - a for a, b in itertools.pairwise(meta.query_start_loc_cpu[nd:]))
+            kern.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc_device,
                                max_query_len, out, scale, block_m=self.prefill_block_m,
-                               block_n=self.prefill_block_n)
+                               block_n=self.prefill_block_n, first_seq=nd)
         return out

@@ -11,6 +11,15 @@ with `exp2`, which gives the same probabilities.
 The kernels walk a sequence's keys in tiles of BLOCK_N positions, gathering each position's block id
 from the block table, so a tile may span several cache blocks or part of one: block_size is free of
 the tile size, and any block_size works. Block-table entries past `seq_len` are never read.
+
+Compilation: Triton compiles a kernel once per specialization of its arguments (an integer's being 1
+or a multiple of 16, a pointer's 16-byte alignment). So the launchers pass whole tensors (a sub-batch
+is named by an index argument, never by a slice, whose pointer alignment would vary), and every
+integer that changes from step to step (the block-table width, the number of key splits, the first
+sequence) is marked `do_not_specialize`: the store, split and prefill kernels compile once per model
+and tile configuration, not once per batch shape. The merge kernel's tile follows the number of
+splits (a power of two up to 16): a few variants, all compiled by the CUDA-graph capture (under
+`--enforce-eager`, at first use), as the prefill kernel is by the engine's memory profile.
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, num_splits,
@@ -137,19 +146,19 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + s * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    qk_scale,
+    qk_scale, first_seq,
     stride_qt, stride_qh, stride_cb, stride_co, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (s, h, j) computes query rows `[j * BLOCK_M, (j + 1) * BLOCK_M)` of sequence s's
-    chunk for query head h: row r (position `ctx + r`, `ctx = seq_len - q_len`) attends cached
-    positions `0..ctx + r`, with an online softmax over BLOCK_N-key tiles. The chunk's own K/V must
-    already be in the cache. Programs past the chunk's end exit at once."""
-    s = tl.program_id(0).to(tl.int64)
+    """Program (i, h, j) computes query rows `[j * BLOCK_M, (j + 1) * BLOCK_M)` of the chunk of
+    sequence `s = first_seq + i` for query head h: row r (position `ctx + r`, `ctx = seq_len -
+    q_len`) attends cached positions `0..ctx + r`, with an online softmax over BLOCK_N-key tiles.
+    The chunk's own K/V must already be in the cache. Programs past the chunk's end exit at once."""
+    s = tl.program_id(0).to(tl.int64) + first_seq
     h = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
     q_start = tl.load(query_start_ptr + s)
@@ -256,21 +265,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start: torch.Tensor, max_query_len: int, out: torch.Tensor,
-                  scale: float, block_m: int = 64, block_n: int = 64) -> None:
-    """Attends chunks of query tokens, causally, to their sequences' cached keys. Sequence s owns
-    rows `query_start[s]:query_start[s + 1]` of `q`/`out` (`[num_tokens, num_heads, head_dim]`),
-    which are the last positions of its `seq_lens[s]`; `block_tables[s]` covers them all.
-    Grid `(num_seqs, num_heads, cdiv(max_query_len, block_m))`."""
+                  scale: float, block_m: int = 64, block_n: int = 64, first_seq: int = 0) -> None:
+    """Attends chunks of query tokens, causally, to their sequences' cached keys, for sequences
+    `first_seq..` of the tables. Sequence s owns rows `query_start[s]:query_start[s + 1]` of
+    `q`/`out` (`[num_tokens, num_heads, head_dim]`), which are the last positions of its
+    `seq_lens[s]`; `block_tables[s]` covers them all; `max_query_len` bounds those sequences' rows.
+    Grid `(num_seqs - first_seq, num_heads, cdiv(max_query_len, block_m))`."""
     block_size, group = _check_cache(q, k_cache, v_cache)
-    num_seqs = seq_lens.shape[0]
-    if num_seqs == 0:
+    num_seqs = seq_lens.shape[0] - first_seq
+    if num_seqs <= 0:
         return
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {b}")
     _prefill_kernel[(num_seqs, q.shape[1], triton.cdiv(max_query_len, block_m))](
         q, k_cache, v_cache, block_tables, seq_lens, query_start, out,
-        scale * _LOG2E,
+        scale * _LOG2E, first_seq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=q.shape[2], BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -87,8 +87,8 @@ def receive_step(group: TensorParallelGroup, block_size: int) -> WorkerStep | No
         return None
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, max(num_rows, 0)]
     payload = group.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=group.device))
-    ids, positions, slots, _, seq_lens, tables, rows = payload.split(sizes)
-    host = payload.cpu().split(sizes)  # query_start_loc stays on the CPU, and the mirrors are host lists
-    meta = AttentionMetadata(slots, tables.view(num_seqs, width), seq_lens, host[3], host[3].tolist(),
-                             host[4].tolist(), num_decodes, block_size)
+    ids, positions, slots, query_start_loc, seq_lens, tables, rows = payload.split(sizes)
+    host = payload.cpu().split(sizes)  # query_start_loc also on the CPU, and the mirrors are host lists
+    meta = AttentionMetadata(slots, tables.view(num_seqs, width), seq_lens, host[3], query_start_loc,
+                             host[3].tolist(), host[4].tolist(), num_decodes, block_size)
     return WorkerStep(ids, positions, meta, slice(None) if num_rows < 0 else rows)

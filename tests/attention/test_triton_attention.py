@@ -85,7 +85,8 @@ def compare(backend: AttentionBackend, meta: AttentionMetadata, num_heads: int, 
     scale = head_dim**-0.5
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), ref_cache, meta, scale)
     dev_meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.to(device),
-                                   block_tables=meta.block_tables.to(device), seq_lens=meta.seq_lens.to(device))
+                                   block_tables=meta.block_tables.to(device), seq_lens=meta.seq_lens.to(device),
+                                   query_start_loc_device=meta.query_start_loc_device.to(device))
     tri_cache = cache.to(device)
     out = backend.forward(q.to(device), k.to(device), v.to(device), tri_cache, dev_meta, scale)
     assert torch.equal(tri_cache.cpu().float(), ref_cache)
