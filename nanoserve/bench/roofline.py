@@ -16,7 +16,11 @@ fraction of each that a run reached.
 Batch-1 decode reads every weight once per token, so tokens/s x weight bytes <= bandwidth;
 large-batch decode does 2 x params FLOPs per token, so tokens/s x 2 x params <= peak FLOP/s.
 `RunStats` rows report both fractions for their decode steps (bytes once per step, whatever
-the batch) and the compute fraction of their prefill.
+the batch) and the compute fraction of their prefill. With long contexts and many sequences a
+decode step also reads every running sequence's K and V, which can outweigh the weights (a GPU at
+batch 256): where a run counts the positions its decode steps attended, the bandwidth fraction
+is also given with those bytes (every layer's K and V for every position: an upper bound for
+models with sliding-window layers).
 """
 
 from __future__ import annotations
@@ -119,21 +123,27 @@ def decode_params(cfg: ModelConfig) -> int:
 @dataclass(frozen=True, slots=True)
 class RooflineFractions:
     """One run's position under the rooflines. Bandwidth: decode steps/s x weight bytes (a step
-    reads every weight once; at batch 1 this is decode tok/s x weight bytes). Compute: tok/s x 2
-    x params, for decode and for prefill."""
+    reads every weight once; at batch 1 this is decode tok/s x weight bytes), and with the K/V bytes
+    of the positions attended added (0 when the run did not count them). Compute: tok/s x 2 x
+    params, for decode and for prefill."""
 
     decode_bandwidth: float
     decode_compute: float
     prefill_compute: float
     decode_compute_fp32: float  # decode against the fp32 GEMM peak (see the module docstring)
+    decode_bandwidth_kv: float = 0.0
 
 
 def fractions(roof: Roofline, params: int, weight_bytes: int, decode_steps_per_s: float,
-              decode_tokens_per_s: float, prefill_tokens_per_s: float) -> RooflineFractions:
-    return RooflineFractions(decode_steps_per_s * weight_bytes / roof.bandwidth,
+              decode_tokens_per_s: float, prefill_tokens_per_s: float, decode_context_tokens_per_s: float = 0.0,
+              kv_bytes_per_token: int = 0) -> RooflineFractions:
+    weights = decode_steps_per_s * weight_bytes
+    kv = decode_context_tokens_per_s * kv_bytes_per_token
+    return RooflineFractions(weights / roof.bandwidth,
                              decode_tokens_per_s * 2 * params / roof.gemm_flops,
                              prefill_tokens_per_s * 2 * params / roof.gemm_flops,
-                             decode_tokens_per_s * 2 * params / roof.fp32_gemm_flops)
+                             decode_tokens_per_s * 2 * params / roof.fp32_gemm_flops,
+                             (weights + kv) / roof.bandwidth if kv else 0.0)
 
 
 class DecodeRates(Protocol):
@@ -148,6 +158,9 @@ class DecodeRates(Protocol):
     def decode_tokens_per_s(self) -> float: ...
 
     @property
+    def decode_context_tokens_per_s(self) -> float: ...
+
+    @property
     def decode_batch(self) -> float: ...
 
     @property
@@ -156,35 +169,42 @@ class DecodeRates(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RooflineReport:
-    """The rooflines plus the model's decode parameters and their bytes in the run's dtype."""
+    """The rooflines plus the model's decode parameters and their bytes in the run's dtype, and
+    the bytes of one position's K and V over all layers (the KV pool holds the model's dtype)."""
 
     roofline: Roofline
     params: int
     weight_bytes: int
+    kv_bytes_per_token: int = 0
 
     @classmethod
     def of(cls, roofline: Roofline, cfg: ModelConfig, dtype: torch.dtype) -> RooflineReport:
         params = decode_params(cfg)
-        return cls(roofline, params, params * torch.empty((), dtype=dtype).element_size())
+        size = torch.empty((), dtype=dtype).element_size()
+        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * size
+        return cls(roofline, params, params * size, kv)
 
     def fractions(self, run: DecodeRates) -> RooflineFractions:
         return fractions(self.roofline, self.params, self.weight_bytes, run.decode_steps_per_s,
-                         run.decode_tokens_per_s, run.prefill_tokens_per_s)
+                         run.decode_tokens_per_s, run.prefill_tokens_per_s, run.decode_context_tokens_per_s,
+                         self.kv_bytes_per_token)
 
     def describe(self) -> list[str]:
         return [self.roofline.describe(), f"weights read per decode step: {self.params / 1e6:.1f}M params, "
-                f"{self.weight_bytes / 1e9:.3f} GB"]
+                f"{self.weight_bytes / 1e9:.3f} GB; K and V per position attended: {self.kv_bytes_per_token:,} bytes"]
 
     def table(self, runs: Sequence[DecodeRates]) -> tuple[list[str], list[list[str]]]:
         """Headers and rows: prefill and decode rates and the fraction of each roofline."""
         fp32 = self.roofline.dtype != "float32"
         headers = ["run", "prefill tok/s", "decode tok/s", "decode batch", "decode % bandwidth",
-                   "decode % GEMM peak", *(["decode % fp32 peak"] if fp32 else []), "prefill % GEMM peak"]
+                   "decode % bandwidth, KV incl.", "decode % GEMM peak", *(["decode % fp32 peak"] if fp32 else []),
+                   "prefill % GEMM peak"]
         rows = []
         for r in runs:
             f = self.fractions(r)
             rows.append([r.label, _rate(r.prefill_tokens_per_s), _rate(r.decode_tokens_per_s),
-                         _rate(r.decode_batch), _pct(f.decode_bandwidth), _pct(f.decode_compute),
+                         _rate(r.decode_batch), _pct(f.decode_bandwidth), _pct(f.decode_bandwidth_kv),
+                         _pct(f.decode_compute),
                          *([_pct(f.decode_compute_fp32)] if fp32 else []), _pct(f.prefill_compute)])
         return headers, rows
 
@@ -206,6 +226,7 @@ class RooflineReport:
 
     def to_dict(self, runs: Sequence[DecodeRates]) -> dict[str, Any]:
         return {**self.roofline.to_dict(), "decode_params": self.params, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
                 "runs": {r.label: asdict(self.fractions(r)) for r in runs}}
 
 

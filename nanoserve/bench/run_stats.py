@@ -22,6 +22,9 @@ class RunStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    # K/V positions the pure-decode steps attended: each running sequence's length, summed over
+    # the steps (0 where a run does not count them: the peers).
+    decode_context_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens computed in steps where no sequence decodes
     prefill_s: float = 0.0
     peak_running: int = 0
@@ -58,6 +61,10 @@ class RunStats:
         return self._rate(self.decode_steps, self.decode_s)
 
     @property
+    def decode_context_tokens_per_s(self) -> float:
+        return self._rate(self.decode_context_tokens, self.decode_s)
+
+    @property
     def decode_batch(self) -> float:
         """Mean sequences per pure-decode step."""
         return self._rate(self.decode_tokens, self.decode_steps)
@@ -68,5 +75,6 @@ class RunStats:
 
     def to_dict(self) -> dict[str, Any]:
         rates = ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "steps_per_s",
-                 "decode_tokens_per_s", "decode_steps_per_s", "decode_batch", "prefill_tokens_per_s")
+                 "decode_tokens_per_s", "decode_steps_per_s", "decode_context_tokens_per_s", "decode_batch",
+                 "prefill_tokens_per_s")
         return {**dataclasses.asdict(self), **{name: getattr(self, name) for name in rates}}

@@ -61,7 +61,8 @@ def _drain(engine: LLMEngine, stats: RunStats, submitted: dict[str, float]) -> N
     while engine.has_unfinished():
         before, decoding = engine.num_running_seqs, engine.num_decoding_seqs()
         all_decoding, prefill_only = decoding == before, decoding == 0
-        live = engine.sequence_progress() if prefill_only else {}
+        live = engine.sequence_progress() if prefill_only or all_decoding else {}
+        context = sum(p.num_tokens for p in live.values() if p.running) if all_decoding else 0
         start = time.perf_counter()
         deltas = engine.step().deltas
         now = time.perf_counter()
@@ -76,6 +77,7 @@ def _drain(engine: LLMEngine, stats: RunStats, submitted: dict[str, float]) -> N
         if before and all_decoding and len(deltas) == before == running_after + finished:
             stats.decode_steps += 1
             stats.decode_tokens += tokens
+            stats.decode_context_tokens += context
             stats.decode_s += seconds
         elif prefill_only:
             # A sequence gone after the step finished in it, having computed all it had.

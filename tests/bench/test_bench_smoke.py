@@ -206,7 +206,16 @@ def test_model_shape_checkpoint_through_the_cli(tmp_path, capsys, monkeypatch, d
     auto_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # bf16 where the CPU has it
     assert roof["gemm_flops"] > 0 and roof["bandwidth"] > 0 and roof["dtype"] == auto_dtype
     assert roof["runs"]["batched"]["decode_bandwidth"] > 0
-    assert "GEMM peak" in text and "decode % bandwidth" in text
+    # The decode steps' K/V reads: each step's running sequences' lengths (2 prompts of 4-8 tokens, 3
+    # outputs each), at 2 x layers x KV heads x head_dim x the dtype's bytes a position.
+    run = result["runs"][0]
+    assert run["decode_steps"] * 2 * 5 <= run["decode_context_tokens"] <= run["decode_steps"] * 2 * 10
+    kv_bytes = 2 * TINY_SHAPE["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * (
+        torch.empty((), dtype=getattr(torch, auto_dtype)).element_size())
+    assert roof["kv_bytes_per_token"] == kv_bytes
+    assert roof["runs"]["batched"]["decode_bandwidth_kv"] == pytest.approx(
+        roof["runs"]["batched"]["decode_bandwidth"] + run["decode_context_tokens_per_s"] * kv_bytes / roof["bandwidth"])
+    assert "GEMM peak" in text and "decode % bandwidth, KV incl." in text
 
 
 def test_roofline_measurement_and_fractions():
@@ -217,7 +226,11 @@ def test_roofline_measurement_and_fractions():
     f = fractions(fixed, params=1_000_000, weight_bytes=4_000_000, decode_steps_per_s=100,
                   decode_tokens_per_s=1000, prefill_tokens_per_s=5000)
     assert f == RooflineFractions(decode_bandwidth=0.04, decode_compute=0.002, prefill_compute=0.01,
-                                  decode_compute_fp32=0.001)
+                                  decode_compute_fp32=0.001)  # no positions counted: no K/V fraction
+    with_kv = fractions(fixed, params=1_000_000, weight_bytes=4_000_000, decode_steps_per_s=100,
+                        decode_tokens_per_s=1000, prefill_tokens_per_s=5000, decode_context_tokens_per_s=200_000,
+                        kv_bytes_per_token=1_000)
+    assert with_kv.decode_bandwidth == 0.04 and with_kv.decode_bandwidth_kv == pytest.approx(0.06)
 
 
 def test_transformers_peers_on_the_demo_model(tmp_path, capsys, demo_dir):
