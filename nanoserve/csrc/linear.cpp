@@ -54,7 +54,8 @@ constexpr int kRowsX = 3;  // (16 vector registers: 3 x 2 x 2 accumulators, the 
 constexpr int64_t kRowsPerBlock = 64;      // rows of x per pass over all of W
 constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work item
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
-constexpr int64_t kRowStreamK = 1024;      // vdpbf16ps: from this K, W a row at a time (long rows)
+constexpr int64_t kRowStreamK = 1024;      // vdpbf16ps: from this K, W a row or two at a time (long rows)
+constexpr int64_t kPairRowsX = 8;          // vdpbf16ps, long rows: from this many rows of x, W two rows at a time
 constexpr int kChainsF32 = 2;              // fp32 loop: accumulators per (row of x, row of W)
 
 // res[m][j] = xf[m] . w[j] for m < MX, j < NW: NW rows of W (stride K) against MX rows of xf
@@ -110,49 +111,60 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// MX rows of x against one row of W with vdpbf16ps, for long rows (K >= kRowStreamK): four
-// accumulators per row of x (interleaved stretches of 32 values) so that four chains are in flight
-// for a single row of x. Rows this long take W one row at a time whatever the number of rows of x:
-// W then streams as one sequential run, which the hardware prefetcher follows best, from memory
-// and from cache alike (faster than eight rows read side by side; software prefetches only slow
-// it), and each output is reduced in the same order for any MX.
-template <int MX>
+// MX rows of x against NW rows of W with vdpbf16ps, for long rows (K >= kRowStreamK): four
+// accumulators per (row of x, row of W) (interleaved stretches of 32 values) so that four chains
+// are in flight for a single output, each output reduced by the same tree whatever NW and MX. NW is
+// 1 for a few rows of x: W then streams as one sequential run, which the hardware prefetcher follows
+// best (faster than several rows read side by side; software prefetches only slow it). From
+// kPairRowsX rows of x on, where the arithmetic costs more than W's bytes, NW is 2 against 3 rows of
+// x (24 accumulators): each x vector loaded from L2 feeds two instructions instead of one.
+template <int NW, int MX>
 inline void dot_long_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float (*res)[8]) {
-  __m512 acc[MX][4];
+  __m512 acc[MX][NW][4];
   for (int m = 0; m < MX; ++m)
-    for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
+    for (int j = 0; j < NW; ++j)
+      for (int u = 0; u < 4; ++u) acc[m][j][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 128 <= K; k += 128)
     for (int u = 0; u < 4; ++u) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
-      for (int m = 0; m < MX; ++m)
-        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u), wv);
+      __m512bh wv[NW];
+      for (int j = 0; j < NW; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k + 32 * u);
+      for (int m = 0; m < MX; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u);
+        for (int j = 0; j < NW; ++j) acc[m][j][u] = _mm512_dpbf16_ps(acc[m][j][u], xv, wv[j]);
+      }
     }
   for (; k + 32 <= K; k += 32) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    for (int m = 0; m < MX; ++m)
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
+    for (int m = 0; m < MX; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int j = 0; j < NW; ++j)
+        acc[m][j][0] = _mm512_dpbf16_ps(acc[m][j][0], xv, (__m512bh)_mm512_loadu_si512(w + j * K + k));
+    }
   }
   if (k < K) {
     const __mmask32 mask = (__mmask32{1} << (K - k)) - 1;
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
-    for (int m = 0; m < MX; ++m)
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
+    for (int m = 0; m < MX; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+      for (int j = 0; j < NW; ++j)
+        acc[m][j][1] = _mm512_dpbf16_ps(acc[m][j][1], xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * K + k));
+    }
   }
-  for (int m = 0; m < MX; ++m) {
-    const __m128 sums = hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
-    res[m][0] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
-  }
+  for (int m = 0; m < MX; ++m)
+    for (int j = 0; j < NW; ++j) {
+      const __m128 sums = hsum4(acc[m][j][0], acc[m][j][1], acc[m][j][2], acc[m][j][3]);
+      res[m][j] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    }
 }
 
 // dot_block for bf16 x (stride K) against bf16 W with vdpbf16ps: one zmm accumulator per (m, j),
 // 32 values of K per instruction (K's last partial stretch through masked loads, which read zeros),
-// each reduced by hsum4's tree whatever NW; long rows (one row of W at a time) by dot_long_bf16.
+// each reduced by hsum4's tree whatever NW; long rows (one or two rows of W at a time) by
+// dot_long_bf16.
 template <int NW, int MX>
 inline void dot_block_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float (*res)[8]) {
-  if constexpr (NW == 1) {
+  if constexpr (NW == 1 || (NW == 2 && MX <= 3)) {
     if (K >= kRowStreamK) {
-      dot_long_bf16<MX>(x, w, K, res);
+      dot_long_bf16<NW, MX>(x, w, K, res);
       return;
     }
   }
@@ -204,7 +216,7 @@ inline void dot(const X* x, const T* w, int64_t K, float (*res)[8]) {
 // Output columns [n0, n0 + NW) for every row of x, kRowsX rows of x at a time (W's NW rows stay in
 // L1 meanwhile). The vdpbf16ps path takes five when there are five (a decode step's last token and
 // four drafts in one pass: twenty accumulators, where 4 + 1 rows would leave the fifth row's pass
-// with four dependency chains).
+// with four dependency chains), and three against two long rows of W (dot_long_bf16).
 template <typename X, typename T, typename O, int NW>
 void columns(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t n0) {
   static_assert(NW <= 8, "res holds 8 columns");
@@ -213,7 +225,8 @@ void columns(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t 
   for (int64_t m0 = 0, mx; m0 < M; m0 += mx) {
     const X* x0 = xf + m0 * K;
     const T* w0 = w + n0 * K;
-    mx = std::min<int64_t>(kRowsX + (dp && M - m0 == kRowsX + 1), M - m0);
+    mx = dp && NW == 2 && K >= kRowStreamK ? std::min<int64_t>(3, M - m0)
+                                             : std::min<int64_t>(kRowsX + (dp && M - m0 == kRowsX + 1), M - m0);
     switch (mx) {
       case 5:
         if constexpr (dp) dot<X, T, NW, 5>(x0, w0, K, res);
@@ -233,9 +246,9 @@ void columns(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t 
 // chains, four memory streams; eight streams are slower on bf16 weights beyond L3); more
 // rows of x take W two rows at a time against up to four of theirs, so that each W vector loaded
 // (and, for bf16, widened) feeds four FMAs. On the vdpbf16ps path, long rows take W one row at a
-// time (dot_long_bf16) for any number of rows of x; shorter rows, at one row of x, eight rows at a
-// time (a reduction per row would cost as much as the row), and more rows of x take W four rows at
-// a time (sixteen or twenty accumulators).
+// time (dot_long_bf16) below kPairRowsX rows of x and two rows at a time from there; shorter rows,
+// at one row of x, eight rows at a time (a reduction per row would cost as much as the row), and
+// more rows of x take W four rows at a time (sixteen or twenty accumulators).
 template <typename X, typename T, typename O, int NW>
 void column_range(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K,
                   int64_t begin, int64_t end) {
@@ -253,7 +266,9 @@ void products(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t
     const X* xb = xf + m0 * K;
     O* ob = out + m0 * N;
     const auto task_range = [&](int64_t begin, int64_t end) {
-      if (dp && K >= kRowStreamK)
+      if (dp && K >= kRowStreamK && mb >= kPairRowsX)
+        column_range<X, T, O, 2>(xb, w, bias, ob, mb, N, K, begin, end);
+      else if (dp && K >= kRowStreamK)
         column_range<X, T, O, 1>(xb, w, bias, ob, mb, N, K, begin, end);
       else if (mb == 1)
         column_range<X, T, O, dp ? 8 : 4>(xb, w, bias, ob, mb, N, K, begin, end);
