@@ -55,7 +55,7 @@ constexpr int64_t kRowsPerBlock = 64;      // rows of x per pass over all of W
 constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work item
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 constexpr int64_t kRowStreamK = 1024;      // vdpbf16ps: from this K, W a row or two at a time (long rows)
-constexpr int64_t kPairRowsX = 8;          // vdpbf16ps, long rows: from this many rows of x, W two rows at a time
+constexpr int64_t kPairRowsX = 5;          // vdpbf16ps, long rows: from this many rows of x, W two rows at a time
 constexpr int kChainsF32 = 2;              // fp32 loop: accumulators per (row of x, row of W)
 
 // res[m][j] = xf[m] . w[j] for m < MX, j < NW: NW rows of W (stride K) against MX rows of xf

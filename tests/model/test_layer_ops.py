@@ -60,7 +60,7 @@ def _check_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 130])  # odd m: a last row of x alone, or five rows (vdpbf16ps)
-# n: tails of W's row groups; k: a scalar tail; 1100: W row by row, or two rows at a time from 8 rows of x
+# n: tails of W's row groups; k: a scalar tail; 1100: W row by row, or two rows at a time from 5 rows of x
 # (vdpbf16ps)
 @pytest.mark.parametrize("n,k", [(1, 8), (7, 100), (130, 256), (9, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -112,7 +112,7 @@ def test_the_widening_bf16_loop_too(ops, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# k: short rows; rows of 1,100 values (vdpbf16ps: W a row at a time, two from 8 rows of x on); n: tails of
+# k: short rows; rows of 1,100 values (vdpbf16ps: W a row at a time, two from 5 rows of x on); n: tails of
 # W's row groups
 @pytest.mark.parametrize("n,k", [(37, 64), (130, 200), (9, 1100)])
 def test_linear_rows_do_not_depend_on_the_other_rows(ops, dtype, n, k):
