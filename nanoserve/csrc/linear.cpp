@@ -13,7 +13,8 @@
 // Structure: x in blocks of 64 rows (which stay in L2); for each, output columns are shared among
 // `num_threads` OpenMP threads in blocks of 64; in each, a few rows of W at a time against the rows
 // of x in groups of up to four, with kChainsF32 vector accumulators per (row of W, row of x),
-// reduced by one horizontal sum at the end. x is widened to fp32 once, into a buffer, when T is bf16.
+// reduced by one horizontal sum at the end (on the vdpbf16ps path, long rows against several rows
+// of x the other way round: three rows of x against each pair of the block's rows of W in turn). x is widened to fp32 once, into a buffer, when T is bf16.
 //
 // Invariant (batch invariance): each output's sequence of floating-point operations depends on K,
 // on its row of x and its row of W only, never on M, on the row's place among the rows of x, on
@@ -117,7 +118,7 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // 1 for a few rows of x: W then streams as one sequential run, which the hardware prefetcher follows
 // best (faster than several rows read side by side; software prefetches only slow it). From
 // kPairRowsX rows of x on, where the arithmetic costs more than W's bytes, NW is 2 against 3 rows of
-// x (24 accumulators): each x vector loaded from L2 feeds two instructions instead of one.
+// x (24 accumulators): each x vector loaded feeds two instructions instead of one.
 template <int NW, int MX>
 inline void dot_long_bf16(const uint16_t* x, const uint16_t* w, int64_t K, float (*res)[8]) {
   __m512 acc[MX][NW][4];
@@ -257,6 +258,23 @@ void column_range(const X* xf, const T* w, const T* bias, O* out, int64_t M, int
   for (; n < end; ++n) columns<X, T, O, 1>(xf, w, bias, out, M, N, K, n);
 }
 
+// The vdpbf16ps path's long rows from kPairRowsX rows of x: in panels of kColumnsPerTask columns (the
+// panel's rows of W stay in L2), three rows of x at a time (in L1) against each pair of the panel's
+// rows of W in turn, so that the x vectors come from L1 and only W's from L2.
+template <typename X, typename T, typename O>
+void column_range_rows_outer(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K,
+                             int64_t begin, int64_t end) {
+  for (int64_t p0 = begin; p0 < end; p0 += kColumnsPerTask) {
+    const int64_t p1 = std::min(end, p0 + kColumnsPerTask);
+    for (int64_t m0 = 0, mx; m0 < M; m0 += mx) {
+      mx = std::min<int64_t>(3, M - m0);
+      int64_t n = p0;
+      for (; n + 2 <= p1; n += 2) columns<X, T, O, 2>(xf + m0 * K, w, bias, out + m0 * N, mx, N, K, n);
+      for (; n < p1; ++n) columns<X, T, O, 1>(xf + m0 * K, w, bias, out + m0 * N, mx, N, K, n);
+    }
+  }
+}
+
 template <typename X, typename T, typename O>
 void products(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K, int num_threads) {
   constexpr bool dp = !std::is_same_v<X, float>;
@@ -267,7 +285,7 @@ void products(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t
     O* ob = out + m0 * N;
     const auto task_range = [&](int64_t begin, int64_t end) {
       if (dp && K >= kRowStreamK && mb >= kPairRowsX)
-        column_range<X, T, O, 2>(xb, w, bias, ob, mb, N, K, begin, end);
+        column_range_rows_outer<X, T, O>(xb, w, bias, ob, mb, N, K, begin, end);
       else if (dp && K >= kRowStreamK)
         column_range<X, T, O, 1>(xb, w, bias, ob, mb, N, K, begin, end);
       else if (mb == 1)
