@@ -14,7 +14,8 @@
 // `num_threads` OpenMP threads in blocks of 64; in each, a few rows of W at a time against the rows
 // of x in groups of up to four, with kChainsF32 vector accumulators per (row of W, row of x),
 // reduced by one horizontal sum at the end (on the vdpbf16ps path, long rows against several rows
-// of x the other way round: three rows of x against each pair of the block's rows of W in turn). x is widened to fp32 once, into a buffer, when T is bf16.
+// of x the other way round: three rows of x against each pair of the task's rows of W in turn). x
+// is widened to fp32 once, into a buffer, when T is bf16.
 //
 // Invariant (batch invariance): each output's sequence of floating-point operations depends on K,
 // on its row of x and its row of W only, never on M, on the row's place among the rows of x, on
@@ -217,7 +218,8 @@ inline void dot(const X* x, const T* w, int64_t K, float (*res)[8]) {
 // Output columns [n0, n0 + NW) for every row of x, kRowsX rows of x at a time (W's NW rows stay in
 // L1 meanwhile). The vdpbf16ps path takes five when there are five (a decode step's last token and
 // four drafts in one pass: twenty accumulators, where 4 + 1 rows would leave the fifth row's pass
-// with four dependency chains), and three against two long rows of W (dot_long_bf16).
+// with four dependency chains). Two long rows of W on that path get three rows of x at most
+// (column_range_rows_outer passes no more).
 template <typename X, typename T, typename O, int NW>
 void columns(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t N, int64_t K, int64_t n0) {
   static_assert(NW <= 8, "res holds 8 columns");
@@ -226,8 +228,7 @@ void columns(const X* xf, const T* w, const T* bias, O* out, int64_t M, int64_t 
   for (int64_t m0 = 0, mx; m0 < M; m0 += mx) {
     const X* x0 = xf + m0 * K;
     const T* w0 = w + n0 * K;
-    mx = dp && NW == 2 && K >= kRowStreamK ? std::min<int64_t>(3, M - m0)
-                                             : std::min<int64_t>(kRowsX + (dp && M - m0 == kRowsX + 1), M - m0);
+    mx = std::min<int64_t>(kRowsX + (dp && M - m0 == kRowsX + 1), M - m0);
     switch (mx) {
       case 5:
         if constexpr (dp) dot<X, T, NW, 5>(x0, w0, K, res);
