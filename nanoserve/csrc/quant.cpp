@@ -46,13 +46,30 @@ void products(const T* x, const uint8_t* w, const T* bias, O* out, int64_t out_s
               int64_t K, int num_threads) {
   constexpr int64_t step = std::max<int64_t>(layout(Q).values, kVecValues);
   const int64_t row_bytes = K / layout(Q).values * layout(Q).bytes, Kp = (K + step - 1) / step * step;
+  // x quantized (and, from kPanelRows rows on, laid out in panels for quant_panel.h when W is a
+  // superblock_int format), then the products. From kPanelRows rows on the threads share the rows,
+  // then the panel groups (each step one more meeting of the threads), then the tasks.
   Activations a;
-  quantize_activations(x, M, K, Kp, offset_of(Q), a);
-  const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && M * N * K >= kParallelWork)
-  for (int64_t task = 0; task < tasks; ++task)
-    column_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, task * kColumnsPerTask,
-                    std::min(N, (task + 1) * kColumnsPerTask));
+  size_activations(a, M, Kp, Q);
+  const bool many = M >= kPanelRows, panel = superblock_int(Q) && many;
+  if (panel) size_panel(a, M);
+  if (!many) quantize_rows(x, 0, M, K, Q, a);
+  const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask, groups = (M + kPanelRows - 1) / kPanelRows;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && M * N * K >= kParallelWork)
+  {
+    if (many) {
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) quantize_rows(x, m, m + 1, K, Q, a);
+    }
+    if (panel) {
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; ++g) panel_groups(a, M, g, g + 1);
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task)
+      column_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, task * kColumnsPerTask,
+                      std::min(N, (task + 1) * kColumnsPerTask));
+  }
 }
 
 template <typename T, typename O>

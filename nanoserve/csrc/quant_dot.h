@@ -17,15 +17,15 @@
 // products into its lanes: the same products as lane by lane).
 //
 // The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
-// take a form like llama.cpp's instead (superblock_dot): x quantized again with each chunk's dx a
-// whole multiple k_c of its super-block's unit (max|x| of the 256 values / (127 kSubScales)), with
-// each 16 values' sum of qx (sums16), so that a whole super-block of W against x sums in int32,
-// W's sub-block scales times the chunks' k_c multiplied in as integers (vpmaddubsw, then vpdpwssd
-// / vpmaddwd), and goes through fp32 once (times d * unit): at one row of x that does per 64 values
-// an unpack, a scale spread and two integer instructions, where a 32-value chunk's int32 lanes need
-// a conversion, a multiply and a multiply-add more. llama.cpp takes one dx per 256 values (k_c = 1
-// throughout), which gives a chunk of small values the step of the largest; here a chunk's step is
-// at most max|x_c| / 127 + unit.
+// take a form like llama.cpp's instead: x quantized again with each chunk's dx a whole multiple k_c
+// of its super-block's unit (max|x| of the 256 values / (127 kSubScales)), with each 16 values' sum
+// of qx (sums16), so that a super-block of W against x sums in int32 (W's sub-block scales times the
+// chunks' k_c multiplied in as integers) into two exact terms, which go through fp32 once each
+// (superblock_step). llama.cpp takes one dx per 256 values (k_c = 1 throughout), which gives a chunk
+// of small values the step of the largest; here a chunk's step is at most max|x_c| / 127 + unit.
+// Below kPanelRows rows of x, superblock_dot sums a (row of W, row of x) pair's terms in lanes
+// (vpmaddubsw, then vpdpwssd / vpmaddwd against the spread scales) and folds them; from kPanelRows
+// rows on, quant_panel.h's micro-kernel computes the same terms for kPanelRows rows of x at once.
 //
 // The dot products: with AVX512-VNNI, vpdpbusd multiplies 64 unsigned bytes of W by 64 signed
 // bytes of x and adds each group of four into 16 int32 lanes (two chunks per instruction); with
@@ -40,16 +40,17 @@
 // Structure: in a range of columns, W's rows in groups of NW (one for one row of x, else two)
 // against the rows of x in groups of up to kRowsX; each group of W's blocks is unpacked into
 // registers once per group of x rows and read from L1 for the next. The superblock_int formats take
-// each group of W's rows against all rows of x in turn, so W streams from memory once per call;
-// the 32-value formats (and iq4_xs) each group of x's rows against all the range's rows of W in
-// turn, so x's group stays in L1 and W streams from memory once, then from L2 (with two rows of W,
-// the next two prefetched meanwhile; one row is a sequential stream the hardware prefetcher
-// follows).
+// each group of W's rows against all rows of x in turn, so W streams from memory once per call
+// (from kPanelRows rows of x on: quant_panel.h); the 32-value formats (and iq4_xs) each group of
+// x's rows against all the range's rows of W in turn, so x's group stays in L1 and W streams from
+// memory once, then from L2 (with two rows of W, the next two prefetched meanwhile; one row is a
+// sequential stream the hardware prefetcher follows).
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
-// a step past K multiplies zeros; each output is reduced, biased and rounded to the output type once,
-// at the end. Each output's operations depend on its row of x and its row of W only, not on NW, MX,
-// M or the row's place (one accumulator per (row of W, row of x), the same lanes and order):
+// a step past K multiplies zeros; each output is biased and rounded to the output type once, at the
+// end. Each output's operations depend on its row of x and its row of W only, not on NW, MX, M or
+// the row's place (one accumulator per (row of W, row of x), the same lanes and order; for the
+// superblock_int formats, the same exact integer terms and superblock_step, whichever kernel):
 // batch invariance.
 
 #pragma once
@@ -83,13 +84,23 @@ struct Activations {
   std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
   std::vector<float> chunk_scale;  // [M, Kp / 32]: each chunk's dx (its lanes' scale, once)
   // The same rows quantized for the superblock_int formats, chunk c of a super-block with
-  // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled when K is a multiple of 256 (then
-  // Kp == K), else empty.
+  // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled for those formats only (then
+  // Kp == K, a multiple of 256), as the fields above for the others only.
   std::vector<int8_t> q256;     // [M, Kp]
   std::vector<float> unit;      // [M, Kp / 256]: the super-block's max|x| / (127 kSubScales)
   std::vector<int16_t> k16;     // [M, Kp / 16]: k_c of the chunk that holds each 16 values
   std::vector<int16_t> sums16;  // [M, Kp / 16]: each 16 values' sum of qx
+  // The super-block fields again in groups of kPanelRows rows for quant_panel.h (build_panel; empty
+  // unless built), the last group padded with zero rows: pq [groups, Kp / 256, 64, kPanelRows, 4]
+  // (vector i of a super-block: values 4i .. 4i + 3 of each row), punit [groups, Kp / 256,
+  // kPanelRows], pk and psums [groups, Kp / 256, 16 groups of 16 values, kPanelRows] (k16 and sums16
+  // as int32).
+  std::vector<int8_t> pq;
+  std::vector<float> punit;
+  std::vector<int32_t> pk, psums;
 };
+
+constexpr int kPanelRows = kVecValues / 4;  // rows of x per panel group: one int32 lane of a vector each
 
 // The largest |x| of 32 values (four vectors of eight).
 inline float amax32(const __m256 v[4]) {
@@ -115,57 +126,69 @@ inline __m256i lane_sums_of(__m256i q) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
 }
 
-// Activations' super-block fields (q256, unit, k16, sums16) of x [M, K], K a multiple of 256: chunk c
-// of a super-block takes k_c = ceil(kSubScales max|x_c| / max|x|) (at least 1), so its step
-// unit * k_c is at most max|x_c| / 127 + unit and |qx| <= 127.
-template <typename T>
-void quantize_superblocks(const T* x, int64_t M, int64_t K, Activations& a) {
-  a.q256.assign(M * K, 0);
-  a.unit.assign(M * K / 256, 0.0f);
-  a.k16.assign(M * K / 16, 1);
-  a.sums16.assign(M * K / 16, 0);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K / 256; ++b) {
-      const T* src = x + m * K + b * 256;
-      float chunk_max[8], amax = 0.0f;
-      for (int c = 0; c < 8; ++c) {
-        __m256 v[4];
-        for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
-        chunk_max[c] = amax32(v);
-        amax = std::max(amax, chunk_max[c]);
-      }
-      const float unit = amax / (127.0f * kSubScales);
-      a.unit[m * K / 256 + b] = unit;
-      for (int c = 0; c < 8; ++c) {
-        const int k = amax > 0 ? std::clamp(static_cast<int>(std::ceil(kSubScales * chunk_max[c] / amax)), 1, kSubScales)
-                               : 1;
-        const float inv = amax > 0 ? 1.0f / (unit * static_cast<float>(k)) : 0.0f;
-        __m256 v[4];
-        for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
-        const __m256i q = quantize32(v, inv);
-        const int64_t at = m * K + b * 256 + c * kChunk;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q256.data() + at), q);
-        // Lanes 0-3 hold values 0-15, lanes 4-7 values 16-31: two horizontal adds put their sums in
-        // lanes 0 and 4.
-        __m256i h = lane_sums_of(q);
-        h = _mm256_hadd_epi32(h, h);
-        h = _mm256_hadd_epi32(h, h);
-        a.sums16[at / 16] = static_cast<int16_t>(_mm256_extract_epi32(h, 0));
-        a.sums16[at / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(h, 4));
-        a.k16[at / 16] = a.k16[at / 16 + 1] = static_cast<int16_t>(k);
-      }
-    }
+// Activations for M rows of x and products with W of GGUF type qtype, sized (zero) for quantize_rows:
+// for the superblock_int formats their super-block fields (K a multiple of 256, Kp == K), for the
+// others the per-chunk fields; the other kind's fields and the panel's empty.
+inline void size_activations(Activations& a, int64_t M, int64_t Kp, int qtype) {
+  a.Kp = Kp;
+  const int64_t chunk_rows = superblock_int(qtype) ? 0 : M, block_rows = M - chunk_rows;
+  a.q.assign(chunk_rows * Kp, 0);
+  a.scale.assign(chunk_rows * Kp / 4, 0.0f);
+  a.base.assign(chunk_rows * Kp / 4, 0);
+  a.lane_sums.assign(chunk_rows * Kp / 4, 0.0f);
+  a.chunk_scale.assign(chunk_rows * Kp / kChunk, 0.0f);
+  a.q256.assign(block_rows * Kp, 0);
+  a.unit.assign(block_rows * Kp / 256, 0.0f);
+  a.k16.assign(block_rows * Kp / 16, 1);
+  a.sums16.assign(block_rows * Kp / 16, 0);
+  a.pq.clear();
+  a.punit.clear();
+  a.pk.clear();
+  a.psums.clear();
 }
 
+// Rows [m_begin, m_end) of x [.., K] into a (sized by size_activations for the same qtype). The
+// superblock_int formats: chunk c of a super-block takes k_c = ceil(kSubScales max|x_c| / max|x|)
+// (at least 1), so its step unit * k_c is at most max|x_c| / 127 + unit and |qx| <= 127. The others:
+// each chunk its own dx = max|x_c| / 127.
 template <typename T>
-void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offset, Activations& a) {
-  a.Kp = Kp;
-  a.q.assign(M * Kp, 0);
-  a.scale.assign(M * Kp / 4, 0.0f);
-  a.base.assign(M * Kp / 4, 0);
-  a.lane_sums.assign(M * Kp / 4, 0.0f);
-  a.chunk_scale.assign(M * Kp / kChunk, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
+void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qtype, Activations& a) {
+  if (superblock_int(qtype)) {
+    for (int64_t m = m_begin; m < m_end; ++m)
+      for (int64_t b = 0; b < K / 256; ++b) {
+        const T* src = x + m * K + b * 256;
+        float chunk_max[8], amax = 0.0f;
+        for (int c = 0; c < 8; ++c) {
+          __m256 v[4];
+          for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
+          chunk_max[c] = amax32(v);
+          amax = std::max(amax, chunk_max[c]);
+        }
+        const float unit = amax / (127.0f * kSubScales);
+        a.unit[m * K / 256 + b] = unit;
+        for (int c = 0; c < 8; ++c) {
+          const int k = amax > 0 ? std::clamp(static_cast<int>(std::ceil(kSubScales * chunk_max[c] / amax)), 1, kSubScales)
+                                 : 1;
+          const float inv = amax > 0 ? 1.0f / (unit * static_cast<float>(k)) : 0.0f;
+          __m256 v[4];
+          for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
+          const __m256i q = quantize32(v, inv);
+          const int64_t at = m * K + b * 256 + c * kChunk;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q256.data() + at), q);
+          // Lanes 0-3 hold values 0-15, lanes 4-7 values 16-31: two horizontal adds put their sums in
+          // lanes 0 and 4.
+          __m256i h = lane_sums_of(q);
+          h = _mm256_hadd_epi32(h, h);
+          h = _mm256_hadd_epi32(h, h);
+          a.sums16[at / 16] = static_cast<int16_t>(_mm256_extract_epi32(h, 0));
+          a.sums16[at / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(h, 4));
+          a.k16[at / 16] = a.k16[at / 16 + 1] = static_cast<int16_t>(k);
+        }
+      }
+    return;
+  }
+  const int64_t Kp = a.Kp;
+  for (int64_t m = m_begin; m < m_end; ++m)
     for (int64_t c = 0; c < K / kChunk; ++c) {
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(x + m * K + c * kChunk + 8 * i));
@@ -179,23 +202,59 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int offs
       a.chunk_scale[at / kChunk] = d;
       _mm256_storeu_ps(a.lane_sums.data() + at / 4, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
-                          _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset)));
+                          _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset_of(qtype))));
     }
-  if (K % 256 == 0) {
-    quantize_superblocks(x, M, K, a);
-  } else {
-    a.q256.clear();
-    a.unit.clear();
-    a.k16.clear();
-    a.sums16.clear();
+}
+
+// The panel fields of a (M rows, quantized for a superblock_int format) sized for panel_groups.
+inline void size_panel(Activations& a, int64_t M) {
+  const int64_t K = a.Kp, blocks = K / 256, groups = (M + kPanelRows - 1) / kPanelRows;
+  a.pq.assign(groups * K * kPanelRows, 0);
+  a.punit.assign(groups * blocks * kPanelRows, 0.0f);
+  a.pk.assign(groups * blocks * 16 * kPanelRows, 1);
+  a.psums.assign(groups * blocks * 16 * kPanelRows, 0);
+}
+
+// Panel groups [g_begin, g_end) of a (see Activations) from its super-block fields (M rows).
+inline void panel_groups(Activations& a, int64_t M, int64_t g_begin, int64_t g_end) {
+  const int64_t K = a.Kp, blocks = K / 256;
+  for (int64_t r = g_begin * kPanelRows; r < std::min(M, g_end * kPanelRows); ++r) {
+    const int64_t grp = r / kPanelRows, lane = r % kPanelRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = grp * blocks + b;
+      const int8_t* src = a.q256.data() + r * K + b * 256;
+      int8_t* dst = a.pq.data() + at * 64 * 4 * kPanelRows + lane * 4;
+      for (int i = 0; i < 64; ++i) std::memcpy(dst + i * 4 * kPanelRows, src + 4 * i, 4);
+      a.punit[at * kPanelRows + lane] = a.unit[r * blocks + b];
+      for (int i = 0; i < 16; ++i) {
+        a.pk[(at * 16 + i) * kPanelRows + lane] = a.k16[r * (K / 16) + b * 16 + i];
+        a.psums[(at * 16 + i) * kPanelRows + lane] = a.sums16[r * (K / 16) + b * 16 + i];
+      }
+    }
   }
 }
 
-// out = rows `rows[0 .. n)` of in, in that order, every field (a row of each field is a fixed number
+// Activations' panel fields from its super-block fields (M rows).
+inline void build_panel(Activations& a, int64_t M) {
+  size_panel(a, M);
+  panel_groups(a, M, 0, (M + kPanelRows - 1) / kPanelRows);
+}
+
+template <typename T>
+void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int qtype, Activations& a) {
+  size_activations(a, M, Kp, qtype);
+  quantize_rows(x, 0, M, K, qtype, a);
+}
+
+// out = rows `rows[0 .. n)` of in, in that order, every field but the panel's (a row of each field is a fixed number
 // of elements: Kp for q and q256, Kp / 4 for the lane fields, Kp / 256 and Kp / 16 for unit, k16 and
 // sums16; the super-block fields empty when in's are).
 inline void gather_activations(const Activations& in, const int64_t* rows, int64_t n, Activations& out) {
   out.Kp = in.Kp;
+  out.pq.clear();  // the panel fields: not gathered (build_panel makes them from the rest)
+  out.punit.clear();
+  out.pk.clear();
+  out.psums.clear();
   const auto take = [&](const auto& from, auto& to, int64_t per_row) {
     to.resize(from.empty() ? 0 : n * per_row);
     if (from.empty()) return;
@@ -231,95 +290,109 @@ inline IV spread_scales(__m256i s16, int v) {
 #endif
 }
 
-// dot_block for the superblock_int formats: x's rows as quantize_superblocks writes them (q256, dx
-// = unit * k_c), each super-block of each (row of W, row of x) accumulated in int32 lanes:
-// vpmaddubsw of W's u and qx (u <= 63, |qx| <= 127: no saturation), then vpdpwssd (vpmaddwd + add
-// on plain AVX2) with c16[i] = s16[i] * k16[i] as int16 (|c16| <= 128 * kSubScales), starting from
-// -offset * sum_i c16[i] * sums16[i]; then converted to fp32 once and multiplied in by d * unit.
-// The mins (q4_k, q5_k, q2_k) the same way: sum_i m16[i] * k16[i] * sums16[i] in int32, times
-// -dmin * unit, into an accumulator of their own (eight lanes). Each output is reduce(its accumulator) + reduce8(its mins' accumulator).
-// The integer sums are exact, so their order is free; the fp32 steps are one per super-block, in
-// the same order for every (row of W, row of x) whatever NW and MX.
+// The exact int32 sums (wrapping, as every int32 step here) of a's lanes and of b's lanes, in
+// lanes 0 and 1 of the result.
+inline __m128i lane_sums2(__m256i a, __m256i b) {
+  __m256i h = _mm256_hadd_epi32(a, b);  // a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7
+  h = _mm256_hadd_epi32(h, h);
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+// The sums of a's even lanes and of its odd lanes, in lanes 0 and 1.
+inline __m128i even_odd_sums(__m256i a) {
+  const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  return _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
+}
+
+// The two int32 terms of a super-block of a (row of W, row of x) pair, and the fp32 steps that take
+// them into the output (superblock_dot and quant_panel.h both end each super-block with them, so the
+// two give the same bits):
+//   acc = fma(float(term1), d * unit, acc);  acc = fma(float(term2), f2, acc)
+// With raw_i the sum of u * qx over the 16 values of group i and c16[i] = s16[i] * k16[i]: for the
+// formats with mins (q4_k, q5_k, q2_k), term1 = sum_i c16[i] * raw_i, term2 = sum_i m16[i] *
+// k16[i] * sums16[i] and f2 = -dmin * unit; for the formats with an offset (q6_k, q3_k), term1 and
+// term2 the sums of c16[i] * (raw_i - offset * sums16[i]) over the groups i with i / 2 even and odd
+// (kTerm2Group) and f2 = d * unit. Each term is exact in int32 (|term| < 2^31 at the extremes of
+// every format: with offset 32, |u - 32| <= 32 against |qx| <= 127, |s16| <= 128, k16 <= kSubScales,
+// eight groups a term).
+inline float superblock_step(float acc, __m128i terms, float d_unit, float f2) {
+  const __m128 t = _mm_cvtepi32_ps(terms);
+  acc = std::fma(_mm_cvtss_f32(t), d_unit, acc);
+  return std::fma(_mm_cvtss_f32(_mm_movehdup_ps(t)), f2, acc);
+}
+// Whether group i of 16 values is in term2 (the formats with an offset; see superblock_step).
+constexpr bool kTerm2Group(int i) { return (i / 2) % 2 == 1; }
+
+// dot_block for the superblock_int formats: x's rows as quantize_superblocks writes them (q256, step
+// unit * k_c); per super-block and (row of W, row of x) the two terms of superblock_step, summed in
+// int32 lanes (vpmaddubsw of W's u and qx, u <= 63 and |qx| <= 127: no saturation, then vpdpwssd,
+// vpmaddwd + add on plain AVX2, against c16 spread over the pairs; the offset as offset * c16 *
+// sums16 by vpmaddwd and a shift, the mins by vpmaddwd), the lanes of each term summed exactly
+// (512 bits: lanes 0-7 of every vector are term1's groups, 8-15 term2's; 256 bits: the even
+// vectors term1's, the odd ones term2's), then superblock_step. The integer sums are exact, so
+// their order is free; each output's fp32 steps are superblock_step's, in super-block order,
+// whatever NW and MX.
 template <int Q, int NW, int MX>
 void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
                     float (*res)[4]) {
   static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
   using G = Group<Q>;
   constexpr int64_t bytes = layout(Q).bytes;
-  constexpr bool mins = Q == kQ4_K || Q == kQ5_K || Q == kQ2_K;
+  constexpr bool mins = has_mins(Q);
   constexpr int offset = offset_of(Q);
-  FV acc[NW][MX];
-  __m256 acc_mins[NW][MX];
-  for (int j = 0; j < NW; ++j)
-    for (int m = 0; m < MX; ++m) {
-      acc[j][m] = fzero();
-      acc_mins[j][m] = _mm256_setzero_ps();
-    }
+  static_assert(offset == 0 || (offset & (offset - 1)) == 0, "offset * sums as a shift");
+  constexpr int shift = offset == 0 ? 0 : __builtin_ctz(offset);
+  constexpr int vectors = 256 / kVecValues;
+  float acc[NW][MX] = {};
   for (int64_t k = 0; k < K; k += 256) {
     const int64_t g = k / 256;
     if constexpr (NW > 1)  // the next rows' same stretch, as in chunk_dot
       for (int j = NW; j < 2 * NW; ++j)
         for (int64_t at = g * bytes; at < (g + 1) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
     IntScales sc[NW];
-    G grp[NW];
+    IV u[vectors][NW];
     for (int j = 0; j < NW; ++j) {
-      sc[j] = int_scales<Q>(w + j * row_bytes + g * bytes);
-      grp[j] = G(w + j * row_bytes + g * bytes);
+      const uint8_t* block = w + j * row_bytes + g * bytes;
+      sc[j] = int_scales<Q>(block);
+      const G grp(block);
+#pragma GCC unroll 8
+      for (int v = 0; v < vectors; ++v) u[v][j] = grp.uv(v);
     }
-    // (row j of W, row m of x): the sub-block scales times the chunks' k (c16, int16), the int32
-    // start -offset * sum_i c16[i] * sums16[i], the mins' part into acc_mins; at the end, the
-    // int32 lanes to fp32, times d * unit, into acc.
-    const auto row16 = [&](const std::vector<int16_t>& v, int m) {
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.data() + (m0 + m) * (K / 16) + k / 16));
-    };
-    const auto start = [&](int j, int m, __m256i c16, __m256i k16, __m256i sums, float unit) -> IV {
-      if constexpr (mins)
-        acc_mins[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_mullo_epi16(sc[j].m16, k16), sums)),
-                                         _mm256_set1_ps(-sc[j].dmin * unit), acc_mins[j][m]);
-      if constexpr (offset == 0) return izero();
-      return widen(_mm256_mullo_epi32(_mm256_madd_epi16(c16, sums), _mm256_set1_epi32(-offset)));
-    };
-    constexpr int vectors = 256 / kVecValues;
-    if constexpr (MX == 1) {  // W unpacked vector by vector (NW accumulators live)
-      const float unit = a.unit[m0 * (K / 256) + g];
-      const __m256i k16 = row16(a.k16, 0), sums = row16(a.sums16, 0);
-      IV isum[NW];
-      __m256i c16[NW];
+    for (int m = 0; m < MX; ++m) {
+      const int64_t row = m0 + m;
+      const float unit = a.unit[row * (K / 256) + g];
+      const __m256i k16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.k16.data() + row * (K / 16) + k / 16));
+      const __m256i sums =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums16.data() + row * (K / 16) + k / 16));
       for (int j = 0; j < NW; ++j) {
-        c16[j] = _mm256_mullo_epi16(sc[j].s16, k16);
-        isum[j] = start(j, 0, c16[j], k16, sums, unit);
-      }
-#pragma GCC unroll 8
-      for (int v = 0; v < vectors; ++v) {
-        const IV xq = load_i(a.q256.data() + m0 * K + k + v * kVecValues);
-        for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(grp[j].uv(v), xq), spread_scales(c16[j], v));
-      }
-      for (int j = 0; j < NW; ++j) acc[j][0] = fma(to_fp32(isum[j]), fset1(sc[j].d * unit), acc[j][0]);
-    } else {  // the super-block of NW rows unpacked once, then each row of x against it
-      IV u[vectors][NW];
-#pragma GCC unroll 8
-      for (int v = 0; v < vectors; ++v)
-        for (int j = 0; j < NW; ++j) u[v][j] = grp[j].uv(v);
-      for (int m = 0; m < MX; ++m) {
-        const float unit = a.unit[(m0 + m) * (K / 256) + g];
-        const __m256i k16 = row16(a.k16, m), sums = row16(a.sums16, m);
-        IV isum[NW];
-        __m256i c16[NW];
-        for (int j = 0; j < NW; ++j) {
-          c16[j] = _mm256_mullo_epi16(sc[j].s16, k16);
-          isum[j] = start(j, m, c16[j], k16, sums, unit);
-        }
+        const __m256i c16 = _mm256_mullo_epi16(sc[j].s16, k16);
+#if defined(NANOSERVE_QUANT_ZMM)
+        IV isum = izero();
 #pragma GCC unroll 8
         for (int v = 0; v < vectors; ++v) {
-          const IV xq = load_i(a.q256.data() + (m0 + m) * K + k + v * kVecValues);
-          for (int j = 0; j < NW; ++j) isum[j] = dot2(isum[j], maddubs(u[v][j], xq), spread_scales(c16[j], v));
+          const IV xq = load_i(a.q256.data() + row * K + k + v * kVecValues);
+          isum = dot2(isum, maddubs(u[v][j], xq), spread_scales(c16, v));
         }
-        for (int j = 0; j < NW; ++j) acc[j][m] = fma(to_fp32(isum[j]), fset1(sc[j].d * unit), acc[j][m]);
+        const __m256i t1 = _mm512_castsi512_si256(isum), t2 = _mm512_extracti64x4_epi64(isum, 1);
+#else
+        IV half[2] = {izero(), izero()};
+#pragma GCC unroll 8
+        for (int v = 0; v < vectors; ++v) {
+          const IV xq = load_i(a.q256.data() + row * K + k + v * kVecValues);
+          half[v % 2] = dot2(half[v % 2], maddubs(u[v][j], xq), spread_scales(c16, v));
+        }
+        const __m256i t1 = half[0], t2 = half[1];
+#endif
+        __m128i terms;
+        if constexpr (mins)
+          terms = lane_sums2(_mm256_add_epi32(t1, t2), _mm256_madd_epi16(_mm256_mullo_epi16(sc[j].m16, k16), sums));
+        else  // lane i of offset * c16 * sums16 holds groups 2i, 2i + 1
+          terms = _mm_sub_epi32(lane_sums2(t1, t2), even_odd_sums(_mm256_slli_epi32(_mm256_madd_epi16(c16, sums), shift)));
+        acc[j][m] = superblock_step(acc[j][m], terms, sc[j].d * unit, mins ? -sc[j].dmin * unit : sc[j].d * unit);
       }
     }
   }
   for (int j = 0; j < NW; ++j)
-    for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]) + (mins ? reduce8(acc_mins[j][m]) : 0.0f);
+    for (int m = 0; m < MX; ++m) res[m][j] = acc[j][m];
 }
 
 // res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart):
@@ -466,6 +539,16 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
   }
 }
 
+}  // namespace
+
+#endif
+
+#include "quant_panel.h"
+
+#if defined(__AVX2__)
+
+namespace {
+
 // Output columns [begin, end) for all M rows of x, in out's row m at out + m * out_stride. At one
 // row of x (single-stream decode, where W's bytes cost more than the arithmetic) one row of W at a
 // time: each row is one sequential stream, which the hardware prefetcher follows at the rate memory
@@ -477,6 +560,8 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
+  if constexpr (superblock_int(Q))
+    if (!a.pq.empty()) return panel_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
   if (M == 1) {
     int64_t n = begin;
     for (float res[1][4]; n < end; ++n) {

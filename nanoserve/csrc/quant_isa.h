@@ -16,7 +16,8 @@
 // Invariant: exactly one path per build, and the operations below mean the same on each (dot4:
 // acc + the four-byte sums of u (unsigned) times s (signed), per int32 lane; maddubs: the pairs of
 // u (unsigned) times s (signed) summed into int16 lanes, saturating; dot2: acc + the pairs of int16
-// products summed, per int32 lane; widen: eight int32 lanes into IV's first eight, the rest zero).
+// products summed, per int32 lane; widen: eight int32 lanes into IV's first eight, the rest zero;
+// the *32 operations per int32 lane, wrapping).
 
 #pragma once
 
@@ -59,6 +60,12 @@ inline FV fset1(float v) { return _mm512_set1_ps(v); }
 inline IV widen(__m256i a) { return _mm512_zextsi256_si512(a); }  // eight int32 lanes, the rest zero
 inline IV maddubs(IV u, IV s) { return _mm512_maddubs_epi16(u, s); }
 inline IV dot2(IV acc, IV a, IV b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline IV iset1(int32_t v) { return _mm512_set1_epi32(v); }
+inline IV add32(IV a, IV b) { return _mm512_add_epi32(a, b); }
+inline IV sub32(IV a, IV b) { return _mm512_sub_epi32(a, b); }
+inline IV mullo32(IV a, IV b) { return _mm512_mullo_epi32(a, b); }
+inline IV slli32(IV a, int n) { return _mm512_slli_epi32(a, static_cast<unsigned>(n)); }
+inline void store_f(float* p, FV v) { _mm512_storeu_ps(p, v); }
 #else
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 constexpr int kIsa = 2;
@@ -98,6 +105,12 @@ inline IV izero() { return _mm256_setzero_si256(); }
 inline FV fset1(float v) { return _mm256_set1_ps(v); }
 inline IV widen(__m256i a) { return a; }
 inline IV maddubs(IV u, IV s) { return _mm256_maddubs_epi16(u, s); }
+inline IV iset1(int32_t v) { return _mm256_set1_epi32(v); }
+inline IV add32(IV a, IV b) { return _mm256_add_epi32(a, b); }
+inline IV sub32(IV a, IV b) { return _mm256_sub_epi32(a, b); }
+inline IV mullo32(IV a, IV b) { return _mm256_mullo_epi32(a, b); }
+inline IV slli32(IV a, int n) { return _mm256_slli_epi32(a, n); }
+inline void store_f(float* p, FV v) { _mm256_storeu_ps(p, v); }
 inline IV dot2(IV acc, IV a, IV b) {
 #if defined(__AVXVNNI__)
   return _mm256_dpwssd_avx_epi32(acc, a, b);

@@ -1,0 +1,177 @@
+// The products of the superblock_int formats (q4_k, q5_k, q6_k, q3_k, q2_k) with kPanelRows rows of
+// x or more: an outer-product micro-kernel in the manner of a GEMM's, where superblock_dot takes one
+// (row of W, row of x) pair at a time.
+//
+// Private to the products' translation units (included by quant_dot.h only; see quant.cpp for the
+// files' roles). Everything is in the unnamed namespace.
+//
+// Layout. x's rows in groups of kPanelRows, one int32 lane of a vector each (16 rows with 512-bit
+// vectors, 8 with 256; Activations' panel fields, build_panel): for each super-block, 64 vectors,
+// vector i holding values 4i .. 4i + 3 of each row of the group, with each row's unit, k16 and
+// sums16 as lanes likewise. W's rows of a task unpacked once (PanelW): each value as a byte, its
+// groups' scales and mins as int32, d and dmin. dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain AVX2)
+// of a broadcast four bytes of one row of W against a vector of x sums four products into each row's
+// lane: every instruction's products belong to kPanelRows outputs, so the sub-block scales (times
+// each row's k_c) are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not per
+// vector as in superblock_dot.
+//
+// Invariant (batch invariance): each output's integer terms are exactly superblock_dot's (the same
+// sums of exact products) and its fp32 steps are superblock_step's, lane by lane, in super-block
+// order; so an output is the same bits whichever kernel computes it and whatever else shares the
+// product.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_blocks.h"
+
+#if defined(__AVX2__)
+
+namespace {
+
+constexpr int kBand = 8;  // rows of W per pass of the micro-kernel (16 + 8 accumulators)
+
+// Rows [0, rows) of W (row_bytes apart) unpacked for panel_block, padded with zero rows to a
+// multiple of kBand: u [rows, K] the unsigned values, s and m [rows, K / 256, 16] each group of 16
+// values' scale and min (IntScales' s16, m16), d and dmin [rows, K / 256].
+struct PanelW {
+  std::vector<uint8_t> u;
+  std::vector<int32_t> s, m;
+  std::vector<float> d, dmin;
+};
+
+// The sixteen int16 lanes of v at p as int32.
+inline void store_int32(int32_t* p, __m256i v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8), _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+template <int Q>
+void unpack_panel_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, PanelW& p) {
+  const int64_t padded = (rows + kBand - 1) / kBand * kBand, blocks = K / 256;
+  p.u.assign(padded * K, 0);
+  p.s.assign(padded * blocks * 16, 0);
+  p.m.assign(padded * blocks * 16, 0);
+  p.d.assign(padded * blocks, 0.0f);
+  p.dmin.assign(padded * blocks, 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = w + r * row_bytes + b * layout(Q).bytes;
+      const Group<Q> grp(block);
+      for (int c = 0; c < 8; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.u.data() + r * K + b * 256 + c * kChunk), grp.u(c));
+      const IntScales sc = int_scales<Q>(block);
+      const int64_t at = r * blocks + b;
+      store_int32(p.s.data() + at * 16, sc.s16);
+      store_int32(p.m.data() + at * 16, sc.m16);
+      p.d[at] = sc.d;
+      p.dmin[at] = sc.dmin;
+    }
+}
+
+// acc[t] (lane l: row kPanelRows grp + l of x) = the outputs of rows t0 + t of W (t < kBand) over all of K,
+// from zero, superblock_step by superblock_step.
+template <int Q>
+void panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp, int64_t K, FV acc[kBand]) {
+  constexpr int sub = Q == kQ4_K || Q == kQ5_K ? 32 : 16;  // values per scale (and per min)
+  constexpr int subs = 256 / sub;
+  constexpr bool mins = has_mins(Q);
+  constexpr int offset = offset_of(Q);
+  static_assert(offset == 0 || (offset & (offset - 1)) == 0, "offset * sums as a shift");
+  constexpr int shift = offset == 0 ? 0 : __builtin_ctz(offset);
+  const int64_t blocks = K / 256;
+  for (int t = 0; t < kBand; ++t) acc[t] = fzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = grp * blocks + b;
+    const int8_t* xq = a.pq.data() + at * 64 * kVecValues;
+    const int32_t* k32 = a.pk.data() + at * 16 * kPanelRows;
+    const int32_t* sums32 = a.psums.data() + at * 16 * kPanelRows;
+    IV term1[kBand], term2[kBand];
+    for (int t = 0; t < kBand; ++t) term1[t] = term2[t] = izero();
+    for (int s = 0; s < subs; ++s) {
+      const int i = s * sub / 16;  // the sub-block's first group of 16 values
+      IV raw[kBand];
+      for (int t = 0; t < kBand; ++t) raw[t] = izero();
+#pragma GCC unroll 8
+      for (int q = 0; q < sub / 4; ++q) {
+        const int kg = s * sub / 4 + q;
+        const IV xv = load_i(xq + kg * kVecValues);
+        for (int t = 0; t < kBand; ++t) {
+          int32_t u4;
+          std::memcpy(&u4, w.u.data() + (t0 + t) * K + b * 256 + kg * 4, sizeof u4);
+          raw[t] = dot4(raw[t], iset1(u4), xv);
+        }
+      }
+      const IV k = load_i(k32 + i * kPanelRows);
+      IV off = izero();
+      if constexpr (offset != 0) off = slli32(load_i(sums32 + i * kPanelRows), shift);
+      for (int t = 0; t < kBand; ++t) {
+        const IV c = mullo32(k, iset1(w.s[((t0 + t) * blocks + b) * 16 + i]));
+        const IV part = mullo32(offset != 0 ? sub32(raw[t], off) : raw[t], c);
+        if (!mins && kTerm2Group(i))
+          term2[t] = add32(term2[t], part);
+        else
+          term1[t] = add32(term1[t], part);
+      }
+    }
+    if constexpr (mins)
+      for (int s = 0; s < subs; ++s) {
+        const int i = s * sub / 16;
+        IV sums = load_i(sums32 + i * kPanelRows);
+        if constexpr (sub == 32) sums = add32(sums, load_i(sums32 + (i + 1) * kPanelRows));
+        const IV ks = mullo32(load_i(k32 + i * kPanelRows), sums);
+        for (int t = 0; t < kBand; ++t)
+          term2[t] = add32(term2[t], mullo32(ks, iset1(w.m[((t0 + t) * blocks + b) * 16 + i])));
+      }
+    const FV unit = load_f(a.punit.data() + at * kPanelRows);
+    for (int t = 0; t < kBand; ++t) {
+      const int64_t wb = (t0 + t) * blocks + b;
+      const FV d_unit = mul(fset1(w.d[wb]), unit);
+      const FV f2 = mins ? mul(fset1(-w.dmin[wb]), unit) : d_unit;
+      acc[t] = fma(to_fp32(term1[t]), d_unit, acc[t]);
+      acc[t] = fma(to_fp32(term2[t]), f2, acc[t]);
+    }
+  }
+}
+
+// Output columns [begin, end) for all M rows of x (a.pq built): W's rows of the range unpacked once;
+// x's groups in blocks that stay in L2 beside them, each block against every band of kBand rows.
+template <int Q, typename T, typename O>
+void panel_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
+                 int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
+  PanelW pw;
+  unpack_panel_w<Q>(w + begin * row_bytes, row_bytes, end - begin, K, pw);
+  const int64_t groups = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t per_block = std::clamp<int64_t>((256 << 10) / (kPanelRows * K), 1, 8);
+  for (int64_t g0 = 0; g0 < groups; g0 += per_block)
+    for (int64_t t0 = 0; t0 < end - begin; t0 += kBand)
+      for (int64_t grp = g0; grp < std::min(groups, g0 + per_block); ++grp) {
+        FV acc[kBand];
+        panel_block<Q>(pw, t0, a, grp, K, acc);
+        float v[kBand][kPanelRows];
+        for (int t = 0; t < kBand; ++t) store_f(v[t], acc[t]);
+        const int64_t n0 = begin + t0, rows = std::min<int64_t>(kPanelRows, M - grp * kPanelRows);
+        if (n0 + kBand <= end) {  // a whole band: each row's kBand outputs transposed into one vector
+          static_assert(kBand == kLanes, "one vec8 a row");
+          const vec8 b = bias != nullptr ? load8(bias + n0) : vec8{};
+          for (int64_t l = 0; l < rows; ++l) {
+            vec8 row;
+            for (int t = 0; t < kBand; ++t) row[t] = v[t][l];
+            store8(row + b, out + (grp * kPanelRows + l) * out_stride + n0);
+          }
+        } else {
+          for (int t = 0; n0 + t < end; ++t)
+            for (int64_t l = 0; l < rows; ++l)
+              from_float(v[t][l] + (bias != nullptr ? to_float(bias[n0 + t]) : 0.0f),
+                         out + (grp * kPanelRows + l) * out_stride + n0 + t);
+        }
+      }
+}
+
+}  // namespace
+
+#endif
