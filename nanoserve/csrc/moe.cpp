@@ -108,18 +108,18 @@ bool shared_input(int qa, int qb, int64_t K) {
 }
 
 // Rows for the products of type qtype: quantized, and for the superblock_int formats with
-// kPanelRows rows or more laid out in panels too (quant_panel.h).
+// kPanelMinRows rows or more laid out in panels too (quant_panel.h).
 template <typename T>
 void make_input(const T* rows, int64_t n, int64_t K, int qtype, Input& in) {
   quantize_activations(rows, n, K, padded(qtype, K), qtype, in);
-  if (superblock_int(qtype) && n >= kPanelRows) build_panel(in, n);
+  if (superblock_int(qtype) && n >= kPanelMinRows) build_panel(in, n);
 }
 
 // in's rows `rows[0 .. n)` copied into out, in that order (in panels too when in has them and n
-// reaches kPanelRows).
+// reaches kPanelMinRows).
 void gather(const Input& in, const int64_t* rows, int64_t n, Input& out) {
   gather_activations(in, rows, n, out);
-  if (!in.pq.empty() && n >= kPanelRows) build_panel(out, n);
+  if (!in.pq.empty() && n >= kPanelMinRows) build_panel(out, n);
 }
 
 // out[m * stride + n - begin] = in row m . W row n of expert e, for n in [begin, end), m < n_rows.

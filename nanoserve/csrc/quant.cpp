@@ -46,12 +46,12 @@ void products(const T* x, const uint8_t* w, const T* bias, O* out, int64_t out_s
               int64_t K, int num_threads) {
   constexpr int64_t step = std::max<int64_t>(layout(Q).values, kVecValues);
   const int64_t row_bytes = K / layout(Q).values * layout(Q).bytes, Kp = (K + step - 1) / step * step;
-  // x quantized (and, from kPanelRows rows on, laid out in panels for quant_panel.h when W is a
-  // superblock_int format), then the products. From kPanelRows rows on the threads share the rows,
-  // then the panel groups (each step one more meeting of the threads), then the tasks.
+  // x quantized (and, from kPanelMinRows rows on, laid out in panels for quant_panel.h when W is a
+  // superblock_int format), then the products. From kPanelMinRows rows on the threads share the
+  // rows, then the panel groups (each step one more meeting of the threads), then the tasks.
   Activations a;
   size_activations(a, M, Kp, Q);
-  const bool many = M >= kPanelRows, panel = superblock_int(Q) && many;
+  const bool many = M >= kPanelMinRows, panel = superblock_int(Q) && many;
   if (panel) size_panel(a, M);
   if (!many) quantize_rows(x, 0, M, K, Q, a);
   const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask, groups = (M + kPanelRows - 1) / kPanelRows;

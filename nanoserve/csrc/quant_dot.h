@@ -101,6 +101,7 @@ struct Activations {
 };
 
 constexpr int kPanelRows = kVecValues / 4;  // rows of x per panel group: one int32 lane of a vector each
+constexpr int kPanelMinRows = 8;  // rows of x from which the panel kernel is the faster (measured)
 
 // The largest |x| of 32 values (four vectors of eight).
 inline float amax32(const __m256 v[4]) {
@@ -297,10 +298,10 @@ inline __m128i lane_sums2(__m256i a, __m256i b) {
   h = _mm256_hadd_epi32(h, h);
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
-// The sums of a's even lanes and of its odd lanes, in lanes 0 and 1.
-inline __m128i even_odd_sums(__m256i a) {
-  const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-  return _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
+// The exact sums of the lanes of a, b, c and d, in lanes 0-3.
+inline __m128i lane_sums4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
 // The two int32 terms of a super-block of a (row of W, row of x) pair, and the fp32 steps that take
@@ -319,18 +320,25 @@ inline float superblock_step(float acc, __m128i terms, float d_unit, float f2) {
   acc = std::fma(_mm_cvtss_f32(t), d_unit, acc);
   return std::fma(_mm_cvtss_f32(_mm_movehdup_ps(t)), f2, acc);
 }
+// superblock_step for two outputs side by side: lane j of acc, d_unit and f2 is output j's; terms
+// holds term1 of outputs 0 and 1, then their term2. Lane by lane the same operations.
+inline __m128 superblock_step2(__m128 acc, __m128i terms, __m128 d_unit, __m128 f2) {
+  const __m128 t = _mm_cvtepi32_ps(terms);
+  acc = _mm_fmadd_ps(t, d_unit, acc);
+  return _mm_fmadd_ps(_mm_movehl_ps(t, t), f2, acc);
+}
 // Whether group i of 16 values is in term2 (the formats with an offset; see superblock_step).
 constexpr bool kTerm2Group(int i) { return (i / 2) % 2 == 1; }
 
-// dot_block for the superblock_int formats: x's rows as quantize_superblocks writes them (q256, step
+// dot_block for the superblock_int formats: x's rows as quantize_rows writes them (q256, step
 // unit * k_c); per super-block and (row of W, row of x) the two terms of superblock_step, summed in
 // int32 lanes (vpmaddubsw of W's u and qx, u <= 63 and |qx| <= 127: no saturation, then vpdpwssd,
 // vpmaddwd + add on plain AVX2, against c16 spread over the pairs; the offset as offset * c16 *
 // sums16 by vpmaddwd and a shift, the mins by vpmaddwd), the lanes of each term summed exactly
 // (512 bits: lanes 0-7 of every vector are term1's groups, 8-15 term2's; 256 bits: the even
-// vectors term1's, the odd ones term2's), then superblock_step. The integer sums are exact, so
-// their order is free; each output's fp32 steps are superblock_step's, in super-block order,
-// whatever NW and MX.
+// vectors term1's, the odd ones term2's), then superblock_step (superblock_step2 for two rows of W
+// side by side). The integer sums are exact, so their order is free; each output's fp32 steps are
+// superblock_step's, in super-block order, whatever NW and MX.
 template <int Q, int NW, int MX>
 void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
                     float (*res)[4]) {
@@ -343,6 +351,8 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
   constexpr int shift = offset == 0 ? 0 : __builtin_ctz(offset);
   constexpr int vectors = 256 / kVecValues;
   float acc[NW][MX] = {};
+  __m128 acc2[MX];  // NW == 2: lane j is output (j, m)
+  for (int m = 0; m < MX; ++m) acc2[m] = _mm_setzero_ps();
   for (int64_t k = 0; k < K; k += 256) {
     const int64_t g = k / 256;
     if constexpr (NW > 1)  // the next rows' same stretch, as in chunk_dot
@@ -363,10 +373,19 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
       const __m256i k16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.k16.data() + row * (K / 16) + k / 16));
       const __m256i sums =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums16.data() + row * (K / 16) + k / 16));
+      const __m256i minus_sums = _mm256_sub_epi16(_mm256_setzero_si256(), sums);
+      __m256i sum1[NW], sum2[NW];  // the lanes of each output's two terms
       for (int j = 0; j < NW; ++j) {
         const __m256i c16 = _mm256_mullo_epi16(sc[j].s16, k16);
+        // The offset formats' -offset * c16 * sums16 starts the sums: its lane i holds groups 2i and
+        // 2i + 1, term1's for i even, term2's for i odd.
+        __m256i start = _mm256_setzero_si256();
+        if constexpr (!mins) start = _mm256_slli_epi32(_mm256_madd_epi16(c16, minus_sums), shift);
 #if defined(NANOSERVE_QUANT_ZMM)
         IV isum = izero();
+        if constexpr (!mins)  // even lanes to 0-3 (term1's half), odd ones to 8-11 (term2's)
+          isum = _mm512_maskz_permutexvar_epi32(0x0f0f, _mm512_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0, 1, 3, 5, 7, 0, 0, 0, 0),
+                                                _mm512_castsi256_si512(start));
 #pragma GCC unroll 8
         for (int v = 0; v < vectors; ++v) {
           const IV xq = load_i(a.q256.data() + row * K + k + v * kVecValues);
@@ -374,7 +393,8 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
         }
         const __m256i t1 = _mm512_castsi512_si256(isum), t2 = _mm512_extracti64x4_epi64(isum, 1);
 #else
-        IV half[2] = {izero(), izero()};
+        IV half[2] = {_mm256_blend_epi32(start, _mm256_setzero_si256(), 0xaa),
+                      _mm256_blend_epi32(start, _mm256_setzero_si256(), 0x55)};
 #pragma GCC unroll 8
         for (int v = 0; v < vectors; ++v) {
           const IV xq = load_i(a.q256.data() + row * K + k + v * kVecValues);
@@ -382,17 +402,34 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
         }
         const __m256i t1 = half[0], t2 = half[1];
 #endif
-        __m128i terms;
-        if constexpr (mins)
-          terms = lane_sums2(_mm256_add_epi32(t1, t2), _mm256_madd_epi16(_mm256_mullo_epi16(sc[j].m16, k16), sums));
-        else  // lane i of offset * c16 * sums16 holds groups 2i, 2i + 1
-          terms = _mm_sub_epi32(lane_sums2(t1, t2), even_odd_sums(_mm256_slli_epi32(_mm256_madd_epi16(c16, sums), shift)));
-        acc[j][m] = superblock_step(acc[j][m], terms, sc[j].d * unit, mins ? -sc[j].dmin * unit : sc[j].d * unit);
+        if constexpr (mins) {
+          sum1[j] = _mm256_add_epi32(t1, t2);
+          sum2[j] = _mm256_madd_epi16(_mm256_mullo_epi16(sc[j].m16, k16), sums);
+        } else {
+          sum1[j] = t1;
+          sum2[j] = t2;
+        }
+      }
+      if constexpr (NW == 2) {  // both outputs' terms folded at once, their steps side by side
+        const __m128 d = _mm_setr_ps(sc[0].d, sc[1].d, 0.0f, 0.0f);
+        const __m128 d_unit = _mm_mul_ps(d, _mm_set1_ps(unit));
+        const __m128 f2 = mins ? _mm_mul_ps(_mm_setr_ps(-sc[0].dmin, -sc[1].dmin, 0.0f, 0.0f), _mm_set1_ps(unit)) : d_unit;
+        acc2[m] = superblock_step2(acc2[m], lane_sums4(sum1[0], sum1[1], sum2[0], sum2[1]), d_unit, f2);
+      } else {
+        for (int j = 0; j < NW; ++j)
+          acc[j][m] = superblock_step(acc[j][m], lane_sums2(sum1[j], sum2[j]), sc[j].d * unit,
+                                      mins ? -sc[j].dmin * unit : sc[j].d * unit);
       }
     }
   }
-  for (int j = 0; j < NW; ++j)
-    for (int m = 0; m < MX; ++m) res[m][j] = acc[j][m];
+  for (int m = 0; m < MX; ++m) {
+    if constexpr (NW == 2) {
+      res[m][0] = _mm_cvtss_f32(acc2[m]);
+      res[m][1] = _mm_cvtss_f32(_mm_movehdup_ps(acc2[m]));
+    } else {
+      for (int j = 0; j < NW; ++j) res[m][j] = acc[j][m];
+    }
+  }
 }
 
 // res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart):

@@ -1,5 +1,5 @@
-// The products of the superblock_int formats (q4_k, q5_k, q6_k, q3_k, q2_k) with kPanelRows rows of
-// x or more: an outer-product micro-kernel in the manner of a GEMM's, where superblock_dot takes one
+// The products of the superblock_int formats (q4_k, q5_k, q6_k, q3_k, q2_k) with kPanelMinRows rows
+// of x or more: an outer-product micro-kernel in the manner of a GEMM's, where superblock_dot takes one
 // (row of W, row of x) pair at a time.
 //
 // Private to the products' translation units (included by quant_dot.h only; see quant.cpp for the
