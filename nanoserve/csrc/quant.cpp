@@ -8,15 +8,17 @@
 //                   vector operations the others are written in
 //   quant_blocks.h  the GGUF block formats: layouts, unpacking of W's groups, row dequantization
 //   quant_dot.h     the int8 dot products: activation quantization, dot_block, column_range
+//   quant_panel.h   the superblock formats' products of many rows of x (an outer-product kernel)
 // Without AVX2 a plain scalar loop (here) dequantizes each row of W and multiplies it with x in
 // fp32 (no activation quantization). nanoserve_quant_isa reports which path the build takes.
 //
 // Structure (as linear.cpp): output columns shared among OpenMP threads in tasks of 64 rows of W,
 // each task quant_dot.h's column_range. Every product with a block-quantized W comes here, for any
-// number of rows of x: one path per weight format (activations quantized to 8 bits per block of 32),
-// so each output is the same bits whatever else shares the step (batch invariance: no switch to AMX
-// tiles or to a GEMM on dequantized tiles past some number of rows, which would sum other values in
-// another order).
+// number of rows of x: one arithmetic per weight format (activations quantized to 8 bits per block
+// of 32, or per super-block for the k-quants), so each output is the same bits whatever else shares
+// the step (batch invariance: no switch to AMX tiles or to a GEMM on dequantized tiles past some
+// number of rows, which would sum other values in another order; the k-quants' panel kernel from
+// kPanelMinRows rows on computes the same exact integer terms and the same fp32 steps).
 //
 // Layouts: x [M, K] contiguous; W [N, row_bytes] (quant_blocks.h); bias [N] or null (x's type); out
 // row m at out + m * out_stride (out_stride >= N: a fused matrix's parts write column slices of one

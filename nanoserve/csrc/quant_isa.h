@@ -16,8 +16,7 @@
 // Invariant: exactly one path per build, and the operations below mean the same on each (dot4:
 // acc + the four-byte sums of u (unsigned) times s (signed), per int32 lane; maddubs: the pairs of
 // u (unsigned) times s (signed) summed into int16 lanes, saturating; dot2: acc + the pairs of int16
-// products summed, per int32 lane; widen: eight int32 lanes into IV's first eight, the rest zero;
-// the *32 operations per int32 lane, wrapping).
+// products summed, per int32 lane; the *32 operations per int32 lane, wrapping).
 
 #pragma once
 
@@ -57,7 +56,6 @@ inline IV sign_mul(IV, IV) { return IV{}; }  // unused: kSignTrick is false
 inline IV abs8(IV a) { return a; }
 inline IV izero() { return _mm512_setzero_si512(); }
 inline FV fset1(float v) { return _mm512_set1_ps(v); }
-inline IV widen(__m256i a) { return _mm512_zextsi256_si512(a); }  // eight int32 lanes, the rest zero
 inline IV maddubs(IV u, IV s) { return _mm512_maddubs_epi16(u, s); }
 inline IV dot2(IV acc, IV a, IV b) { return _mm512_dpwssd_epi32(acc, a, b); }
 inline IV iset1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -103,7 +101,6 @@ inline IV sign_mul(IV w, IV x) { return _mm256_sign_epi8(w, x); }  // w * sign(x
 inline IV abs8(IV a) { return _mm256_abs_epi8(a); }
 inline IV izero() { return _mm256_setzero_si256(); }
 inline FV fset1(float v) { return _mm256_set1_ps(v); }
-inline IV widen(__m256i a) { return a; }
 inline IV maddubs(IV u, IV s) { return _mm256_maddubs_epi16(u, s); }
 inline IV iset1(int32_t v) { return _mm256_set1_epi32(v); }
 inline IV add32(IV a, IV b) { return _mm256_add_epi32(a, b); }
@@ -121,12 +118,6 @@ inline IV dot2(IV acc, IV a, IV b) {
 #endif
 }
 #endif
-// The eight lanes of a summed pairwise (as reduce on the 256-bit path).
-inline float reduce8(__m256 a) {
-  vec8 v;
-  std::memcpy(&v, &a, sizeof v);
-  return hsum(v);
-}
 
 #else  // no AVX2
 

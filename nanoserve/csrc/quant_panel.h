@@ -2,8 +2,9 @@
 // of x or more: an outer-product micro-kernel in the manner of a GEMM's, where superblock_dot takes one
 // (row of W, row of x) pair at a time.
 //
-// Private to the products' translation units (included by quant_dot.h only; see quant.cpp for the
-// files' roles). Everything is in the unnamed namespace.
+// Private to the products' translation units (included by quant_dot.h only, after Activations and
+// superblock_step, which it uses; see quant.cpp for the files' roles). Everything is in the unnamed
+// namespace.
 //
 // Layout. x's rows in groups of kPanelRows, one int32 lane of a vector each (16 rows with 512-bit
 // vectors, 8 with 256; Activations' panel fields, build_panel): for each super-block, 64 vectors,
@@ -33,7 +34,7 @@
 
 namespace {
 
-constexpr int kBand = 8;  // rows of W per pass of the micro-kernel (16 + 8 accumulators)
+constexpr int kBand = 8;  // rows of W per pass of the micro-kernel: 3 x 8 accumulators in registers
 
 // Rows [0, rows) of W (row_bytes apart) unpacked for panel_block, padded with zero rows to a
 // multiple of kBand: u [rows, K] the unsigned values, s and m [rows, K / 256, 16] each group of 16
