@@ -188,6 +188,31 @@ def test_k_quants_cannot_be_quantized_here() -> None:
         BlockQuantWeight.empty("q4_k", 2, 256).copy_(torch.zeros(2, 256))
 
 
+@pytest.mark.slow
+@needs_compiler
+@pytest.mark.parametrize("fmt", sorted(SUPERBLOCK_FORMATS))
+def test_k_quant_products_are_the_same_bits_on_every_vector_path(fmt: str) -> None:
+    """The k-quants end each super-block of each output as two exact integer terms taken into fp32 by
+    the same steps (quant_dot.h's superblock_step), whichever kernel (the pair kernel below 8 rows of
+    x, quant_panel.h's from 8 on) and whichever vector width: the native AVX512-VNNI build and the
+    AVX2 one give the same bits."""
+    native, avx2 = load_build("native"), load_build("no-vnni")
+    rng = np.random.default_rng(23 + FORMATS.index(fmt))
+    spec = BLOCK_FORMATS[fmt]
+    n, k = 21, 3 * spec.block_size
+    raw = random_blocks(fmt, n, k, rng)
+    for m in (1, 5, 8, 33):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16)
+        x[:, : k // 3] *= 20
+        outs = []
+        for lib in (native, avx2):
+            out = torch.empty((m, n), dtype=torch.float32)
+            assert lib.nanoserve_quant_linear_bf16_out_f32(x.data_ptr(), raw.ctypes.data, int(spec.qtype), None,
+                                                           out.data_ptr(), n, m, n, k, 2) == 1
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"{fmt} M={m}: max difference {(outs[0] - outs[1]).abs().max().item()}"
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
