@@ -34,7 +34,7 @@
 
 namespace {
 
-constexpr int kBand = 8;  // rows of W per pass of the micro-kernel: 3 x 8 accumulators in registers
+constexpr int kBand = 8;  // rows of W per pass of the micro-kernel (raw sums and two terms: 3 x 8 accumulators)
 
 // Rows [0, rows) of W (row_bytes apart) unpacked for panel_block, padded with zero rows to a
 // multiple of kBand: u [rows, K] the unsigned values, s and m [rows, K / 256, 16] each group of 16
