@@ -630,6 +630,11 @@ constexpr bool superblock_int(int qtype) {
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K || qtype == kQ2_K;
 }
 
+// The 32-value formats whose products sum each chunk's 32 products exactly in int32 and take it
+// into fp32 with one step per chunk (quant_dot.h's exact_chunk_dot, and quant_panel.h's kernel from
+// kPanelMinRows rows of x on): q8_0, whose chunk holds one scale and no min.
+constexpr bool exact_chunks(int qtype) { return qtype == kQ8_0; }
+
 // A super-block's scales as integers: value 16i + l (i < 16) = d * s16[i] * (u - offset) -
 // dmin * m16[i], with s16 and m16 sixteen int16 lanes (q4_k's and q5_k's per-32 scales and mins
 // each in two lanes; m16 zero for q6_k and q3_k) and d, dmin the block's fp16 factors.

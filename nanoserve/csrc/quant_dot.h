@@ -12,9 +12,12 @@
 // where the integer sums are exact (chunk_dot). Per activation row we keep: qx (int8), the scale of
 // each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product instruction
 // starts from it, so the offset costs no instruction), dx * the lane's sum of qx (for q4_1's and
-// q5_1's mins, one fma per vector) and each chunk's dx once (q8_0 at several rows of x multiplies
-// eight blocks' scales by eight chunks' dx in one instruction, then moves each vector's two
-// products into its lanes: the same products as lane by lane).
+// q5_1's mins, one fma per vector) and each chunk's dx once.
+//
+// q8_0 (exact_chunks) sums each chunk's 32 products exactly in int32 and takes the sum into fp32
+// once, into one of eight accumulators per output (exact_chunk_dot: the lanes of eight chunks summed
+// by chunk_sums8; from kPanelMinRows rows of x on, quant_panel.h's micro-kernel takes the same
+// steps for kPanelRows rows of x at once).
 //
 // The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
 // take a form like llama.cpp's instead: x quantized again with each chunk's dx a whole multiple k_c
@@ -34,8 +37,8 @@
 // reaches but q8_0's u = q + 128 would (and iq4's table + 128), so q8_0, iq4_nl and iq4_xs on plain
 // AVX2 take the form llama.cpp uses: |qx| against q * sign(qx), no offset (this needs values in
 // [-127, 127], as ggml's quantizers write q8_0 and as kIq4Values are; -128 would flip wrongly).
-// Each lane's int32 is converted to fp32 and multiplied by its two scales into an fp32 accumulator
-// per (row of W, row of x).
+// Elsewhere each lane's int32 is converted to fp32 and multiplied by its two scales into an fp32
+// accumulator per (row of W, row of x).
 //
 // Structure: in a range of columns, W's rows in groups of NW (one for one row of x, else two)
 // against the rows of x in groups of up to kRowsX; each group of W's blocks is unpacked into
@@ -50,8 +53,8 @@
 // a step past K multiplies zeros; each output is biased and rounded to the output type once, at the
 // end. Each output's operations depend on its row of x and its row of W only, not on NW, MX, M or
 // the row's place (one accumulator per (row of W, row of x), the same lanes and order; for the
-// superblock_int formats, the same exact integer terms and superblock_step, whichever kernel):
-// batch invariance.
+// superblock_int formats, the same exact integer terms and superblock_step, and for exact_chunks the
+// same exact chunk sums and chunk steps, whichever kernel): batch invariance.
 
 #pragma once
 
@@ -77,6 +80,7 @@ constexpr int kSubScales = 32;
 // The activation rows of one product, quantized for format Q (see the header comment), K padded
 // with zeros to Kp, a multiple of the vector and of the group.
 struct Activations {
+  int qtype;  // the format of the W these rows were quantized for
   int64_t Kp;
   std::vector<int8_t> q;      // [M, Kp]
   std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
@@ -90,18 +94,27 @@ struct Activations {
   std::vector<float> unit;      // [M, Kp / 256]: the super-block's max|x| / (127 kSubScales)
   std::vector<int16_t> k16;     // [M, Kp / 16]: k_c of the chunk that holds each 16 values
   std::vector<int16_t> sums16;  // [M, Kp / 16]: each 16 values' sum of qx
-  // The super-block fields again in groups of kPanelRows rows for quant_panel.h (build_panel; empty
-  // unless built), the last group padded with zero rows: pq [groups, Kp / 256, 64, kPanelRows, 4]
-  // (vector i of a super-block: values 4i .. 4i + 3 of each row), punit [groups, Kp / 256,
-  // kPanelRows], pk and psums [groups, Kp / 256, 16 groups of 16 values, kPanelRows] (k16 and sums16
-  // as int32).
+  // The rows again in groups of kPanelRows for quant_panel.h (build_panel; empty unless built), the
+  // last group padded with zero rows: pq [groups, Kp / 4, kPanelRows, 4] (vector i: values 4i .. 4i
+  // + 3 of each row; q256's for the superblock_int formats, q's for exact_chunks). The superblock_int
+  // formats: punit [groups, Kp / 256, kPanelRows], pk and psums [groups, Kp / 256, 16 groups of 16
+  // values, kPanelRows] (k16 and sums16 as int32). exact_chunks: punit [groups, Kp / 32, kPanelRows]
+  // each chunk's dx, psums likewise its -offset * sum of qx (the sum of its lanes' base); pk empty.
   std::vector<int8_t> pq;
   std::vector<float> punit;
   std::vector<int32_t> pk, psums;
 };
 
 constexpr int kPanelRows = kVecValues / 4;  // rows of x per panel group: one int32 lane of a vector each
-constexpr int kPanelMinRows = 8;  // rows of x from which the panel kernel is the faster (measured)
+// Rows of x from which the panel kernel is the faster (measured, for the superblock_int formats and
+// exact_chunks alike).
+constexpr int kPanelMinRows = 8;
+
+// The rows of x from which products with W of type qtype take quant_panel.h's kernel (never for
+// the formats it does not take).
+constexpr int64_t panel_min_rows(int qtype) {
+  return superblock_int(qtype) || exact_chunks(qtype) ? kPanelMinRows : INT64_MAX;
+}
 
 // The largest |x| of 32 values (four vectors of eight).
 inline float amax32(const __m256 v[4]) {
@@ -131,6 +144,7 @@ inline __m256i lane_sums_of(__m256i q) {
 // for the superblock_int formats their super-block fields (K a multiple of 256, Kp == K), for the
 // others the per-chunk fields; the other kind's fields and the panel's empty.
 inline void size_activations(Activations& a, int64_t M, int64_t Kp, int qtype) {
+  a.qtype = qtype;
   a.Kp = Kp;
   const int64_t chunk_rows = superblock_int(qtype) ? 0 : M, block_rows = M - chunk_rows;
   a.q.assign(chunk_rows * Kp, 0);
@@ -207,35 +221,54 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
     }
 }
 
-// The panel fields of a (M rows, quantized for a superblock_int format) sized for panel_groups.
+// The panel fields of a (M rows) sized for panel_groups.
 inline void size_panel(Activations& a, int64_t M) {
-  const int64_t K = a.Kp, blocks = K / 256, groups = (M + kPanelRows - 1) / kPanelRows;
-  a.pq.assign(groups * K * kPanelRows, 0);
+  const int64_t Kp = a.Kp, groups = (M + kPanelRows - 1) / kPanelRows;
+  const int64_t blocks = superblock_int(a.qtype) ? Kp / 256 : Kp / kChunk;  // punit's per row
+  a.pq.assign(groups * Kp * kPanelRows, 0);
   a.punit.assign(groups * blocks * kPanelRows, 0.0f);
-  a.pk.assign(groups * blocks * 16 * kPanelRows, 1);
-  a.psums.assign(groups * blocks * 16 * kPanelRows, 0);
+  if (superblock_int(a.qtype)) {
+    a.pk.assign(groups * blocks * 16 * kPanelRows, 1);
+    a.psums.assign(groups * blocks * 16 * kPanelRows, 0);
+  } else {
+    a.pk.clear();
+    a.psums.assign(groups * blocks * kPanelRows, 0);
+  }
 }
 
-// Panel groups [g_begin, g_end) of a (see Activations) from its super-block fields (M rows).
+// Panel groups [g_begin, g_end) of a (see Activations) from its row fields (M rows).
 inline void panel_groups(Activations& a, int64_t M, int64_t g_begin, int64_t g_end) {
-  const int64_t K = a.Kp, blocks = K / 256;
+  const int64_t Kp = a.Kp;
+  const bool super = superblock_int(a.qtype);
+  const std::vector<int8_t>& q = super ? a.q256 : a.q;
   for (int64_t r = g_begin * kPanelRows; r < std::min(M, g_end * kPanelRows); ++r) {
     const int64_t grp = r / kPanelRows, lane = r % kPanelRows;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = grp * blocks + b;
-      const int8_t* src = a.q256.data() + r * K + b * 256;
-      int8_t* dst = a.pq.data() + at * 64 * 4 * kPanelRows + lane * 4;
-      for (int i = 0; i < 64; ++i) std::memcpy(dst + i * 4 * kPanelRows, src + 4 * i, 4);
-      a.punit[at * kPanelRows + lane] = a.unit[r * blocks + b];
-      for (int i = 0; i < 16; ++i) {
-        a.pk[(at * 16 + i) * kPanelRows + lane] = a.k16[r * (K / 16) + b * 16 + i];
-        a.psums[(at * 16 + i) * kPanelRows + lane] = a.sums16[r * (K / 16) + b * 16 + i];
+    const int8_t* src = q.data() + r * Kp;
+    int8_t* dst = a.pq.data() + grp * Kp * kPanelRows + lane * 4;
+    for (int64_t i = 0; i < Kp / 4; ++i) std::memcpy(dst + i * 4 * kPanelRows, src + 4 * i, 4);
+    if (super) {
+      const int64_t blocks = Kp / 256;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = grp * blocks + b;
+        a.punit[at * kPanelRows + lane] = a.unit[r * blocks + b];
+        for (int i = 0; i < 16; ++i) {
+          a.pk[(at * 16 + i) * kPanelRows + lane] = a.k16[r * (Kp / 16) + b * 16 + i];
+          a.psums[(at * 16 + i) * kPanelRows + lane] = a.sums16[r * (Kp / 16) + b * 16 + i];
+        }
+      }
+    } else {
+      const int64_t chunks = Kp / kChunk;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (grp * chunks + c) * kPanelRows + lane;
+        a.punit[at] = a.chunk_scale[r * chunks + c];
+        const int32_t* base = a.base.data() + (r * Kp + c * kChunk) / 4;
+        a.psums[at] = base[0] + base[1] + base[2] + base[3] + base[4] + base[5] + base[6] + base[7];
       }
     }
   }
 }
 
-// Activations' panel fields from its super-block fields (M rows).
+// Activations' panel fields from its row fields (M rows).
 inline void build_panel(Activations& a, int64_t M) {
   size_panel(a, M);
   panel_groups(a, M, 0, (M + kPanelRows - 1) / kPanelRows);
@@ -251,6 +284,7 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int qtyp
 // of elements: Kp for q and q256, Kp / 4 for the lane fields, Kp / 256 and Kp / 16 for unit, k16 and
 // sums16; the super-block fields empty when in's are).
 inline void gather_activations(const Activations& in, const int64_t* rows, int64_t n, Activations& out) {
+  out.qtype = in.qtype;
   out.Kp = in.Kp;
   out.pq.clear();  // the panel fields: not gathered (build_panel makes them from the rest)
   out.punit.clear();
@@ -500,47 +534,112 @@ void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_
   };
   const int64_t whole = groups_per_step == 2 ? K / per_step * per_step : K;  // steps with every group
   int64_t k = 0;
-#if defined(NANOSERVE_QUANT_ZMM)
-  // q8_0 at several rows of x, 256 values (eight blocks, four vectors) at a time: the eight products
-  // of W's block scales and x's chunk scales of each (row of W, row of x) in one multiply, each
-  // vector's two moved into its lanes by a permute (the same products as mul(s, xs) lane by lane).
-  if constexpr (Q == kQ8_0 && MX > 1) {
-    for (; k + 256 <= K; k += 256) {
-      const int64_t g0 = k / G::values;
-      if constexpr (NW > 1)
-        for (int j = NW; j < 2 * NW; ++j)
-          for (int64_t at = g0 * bytes; at < (g0 + 8) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
-      IV u[4][NW];
-      __m256 s8[NW];
-      for (int j = 0; j < NW; ++j) {
-        const uint8_t* row = w + j * row_bytes + g0 * bytes;
-        uint16_t d[8];
-        for (int b = 0; b < 8; ++b) std::memcpy(&d[b], row + b * bytes, sizeof d[b]);
-        s8[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
-        for (int v = 0; v < 4; ++v) u[v][j] = G::pair_u(row + 2 * v * bytes, row + (2 * v + 1) * bytes);
-      }
-      for (int m = 0; m < MX; ++m) {
-        const int64_t row = (m0 + m) * Kp + k;
-        const __m256 xs8 = _mm256_loadu_ps(a.chunk_scale.data() + row / kChunk);
-        __m256 p[NW];
-        for (int j = 0; j < NW; ++j) p[j] = _mm256_mul_ps(s8[j], xs8);
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          const IV xq = load_i(a.q.data() + row + v * kVecValues);
-          const IV base = load_i(a.base.data() + (row + v * kVecValues) / 4);
-          const __m512i lanes = _mm512_inserti64x4(_mm512_set1_epi32(2 * v), _mm256_set1_epi32(2 * v + 1), 1);
-          for (int j = 0; j < NW; ++j)
-            acc[j][m] = fma(to_fp32(dot4(base, u[v][j], xq)), _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(p[j])),
-                            acc[j][m]);
-        }
-      }
-    }
-  }
-#endif
   for (; k < whole; k += per_step) step(k, std::true_type{});
   if (k < K) step(k, std::false_type{});
   for (int j = 0; j < NW; ++j)
     for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]);
+}
+
+// Lane c of the result: the exact int32 sum (wrapping, as every int32 step here) of the lanes of
+// chunk c of dp, eight chunks (512 bits: chunk 2v in the low half of dp[v], 2v + 1 in the high).
+inline __m256i chunk_sums8(const IV dp[8 * kChunk / kVecValues]) {
+#if defined(NANOSERVE_QUANT_ZMM)
+  // Three rounds of adding each even lane of (a, b) to the odd one after it (each round halves the
+  // lanes a chunk spans), then the even int32 lanes (the low halves of the int64 lanes) in order.
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const auto fold = [&](__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
+  };
+  const __m512i f = fold(fold(dp[0], dp[1]), fold(dp[2], dp[3]));  // chunk c in lanes 2c, 2c + 1
+  return _mm512_cvtepi64_epi32(_mm512_add_epi32(f, _mm512_shuffle_epi32(f, _MM_PERM_CDAB)));
+#else
+  // Each horizontal add sums adjacent lanes within 128-bit halves: after two rounds lane i of
+  // h0123's low half holds the sum of dp[i]'s low half (i < 4), of its high half dp[i]'s high half's.
+  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(dp[0], dp[1]), _mm256_hadd_epi32(dp[2], dp[3]));
+  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(dp[4], dp[5]), _mm256_hadd_epi32(dp[6], dp[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20), _mm256_permute2x128_si256(h0123, h4567, 0x31));
+#endif
+}
+
+// The sum of an output's eight chunk accumulators (exact_chunks), in this order:
+//   ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+inline float chunk_total(__m256 a) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// dot_block for exact_chunks (q8_0): per chunk c and (row of W, row of x) the exact int32 sum of its
+// 32 products (the lanes of dot4 from x's base, as chunk_dot's, summed by chunk_sums8), then one
+// fp32 step into the output's accumulator c % 8:
+//   acc[c % 8] = fma(float(sum_c), d_c * dx_c, acc[c % 8])
+// in chunk order from zero (|sum_c| <= 32 * 127 * 127 < 2^24: its conversion is exact), and
+// chunk_total at the end. Each output's fp32 operations are these, whatever NW and MX; quant_panel.h's
+// kernel takes the same ones lane by lane.
+template <int Q, int NW, int MX>
+void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
+                     float (*res)[4]) {
+  static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
+  using G = Group<Q>;
+  constexpr int64_t bytes = layout(Q).bytes;
+  constexpr int per_vector = kVecValues / kChunk, vectors = 8 / per_vector;  // eight chunks a step
+  const int64_t Kp = a.Kp, chunks = K / kChunk;
+  __m256 acc[NW][MX];  // lane r: the chunks c % 8 == r
+  for (int j = 0; j < NW; ++j)
+    for (int m = 0; m < MX; ++m) acc[j][m] = _mm256_setzero_ps();
+  // Chunks [c0, c0 + n), n = 8 but for the last step (whose missing chunks add 0 * 0: d, dx and the
+  // sums zero there, and an accumulator is never -0).
+  const auto step = [&](int64_t c0, int n) {
+    if constexpr (NW > 1)  // the next rows' same stretch, as in chunk_dot
+      for (int j = NW; j < 2 * NW; ++j)
+        for (int64_t at = c0 * bytes; at < (c0 + n) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+    IV u[vectors][NW];
+    __m256 d[NW];
+    for (int j = 0; j < NW; ++j) {
+      const uint8_t* row = w + j * row_bytes + c0 * bytes;
+      alignas(16) uint16_t h[8] = {};
+      for (int c = 0; c < n; ++c) std::memcpy(&h[c], row + c * bytes, sizeof h[c]);
+      d[j] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+      for (int v = 0; v < vectors; ++v) {
+        const int c = v * per_vector;
+#if defined(NANOSERVE_QUANT_ZMM)
+        u[v][j] = c < n ? G::pair_u(row + c * bytes, c + 1 < n ? row + (c + 1) * bytes : nullptr) : izero();
+#else
+        u[v][j] = c < n ? G(row + c * bytes).u(0) : izero();
+#endif
+      }
+    }
+    for (int m = 0; m < MX; ++m) {
+      const int64_t at = (m0 + m) * Kp + c0 * kChunk;
+      __m256 dx8;
+      if (n == 8) {
+        dx8 = _mm256_loadu_ps(a.chunk_scale.data() + at / kChunk);
+      } else {
+        alignas(32) float dx[8] = {};
+        std::copy_n(a.chunk_scale.data() + at / kChunk, n, dx);
+        dx8 = _mm256_load_ps(dx);
+      }
+      for (int j = 0; j < NW; ++j) {
+        IV dp[vectors];
+        for (int v = 0; v < vectors; ++v) {
+          if (v * per_vector >= n) {
+            dp[v] = izero();
+            continue;
+          }
+          const IV xq = load_i(a.q.data() + at + v * kVecValues);
+          const IV base = load_i(a.base.data() + (at + v * kVecValues) / 4);
+          dp[v] = kSignTrick ? dot4(base, abs8(xq), sign_mul(u[v][j], xq)) : dot4(base, u[v][j], xq);
+        }
+        acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_sums8(dp)), _mm256_mul_ps(d[j], dx8), acc[j][m]);
+      }
+    }
+  };
+  int64_t c0 = 0;
+  for (; c0 + 8 <= chunks; c0 += 8) step(c0, 8);
+  if (c0 < chunks) step(c0, static_cast<int>(chunks - c0));
+  for (int j = 0; j < NW; ++j)
+    for (int m = 0; m < MX; ++m) res[m][j] = chunk_total(acc[j][m]);
 }
 
 // res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart).
@@ -548,6 +647,8 @@ template <int Q, int NW, int MX>
 void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K, float (*res)[4]) {
   if constexpr (superblock_int(Q))
     superblock_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
+  else if constexpr (exact_chunks(Q))
+    exact_chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
   else
     chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
 }
@@ -597,7 +698,7 @@ namespace {
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
-  if constexpr (superblock_int(Q))
+  if constexpr (superblock_int(Q) || exact_chunks(Q))
     if (!a.pq.empty()) return panel_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
   if (M == 1) {
     int64_t n = begin;

@@ -50,6 +50,7 @@ inline FV load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline FV fzero() { return _mm512_setzero_ps(); }
 inline FV fma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
 inline FV mul(FV a, FV b) { return _mm512_mul_ps(a, b); }
+inline FV add(FV a, FV b) { return _mm512_add_ps(a, b); }
 inline FV to_fp32(IV a) { return _mm512_cvtepi32_ps(a); }
 inline float reduce(FV a) { return _mm512_reduce_add_ps(a); }
 inline IV sign_mul(IV, IV) { return IV{}; }  // unused: kSignTrick is false
@@ -91,6 +92,7 @@ inline FV load_f(const float* p) { return _mm256_loadu_ps(p); }
 inline FV fzero() { return _mm256_setzero_ps(); }
 inline FV fma(FV a, FV b, FV c) { return _mm256_fmadd_ps(a, b, c); }
 inline FV mul(FV a, FV b) { return _mm256_mul_ps(a, b); }
+inline FV add(FV a, FV b) { return _mm256_add_ps(a, b); }
 inline FV to_fp32(IV a) { return _mm256_cvtepi32_ps(a); }
 inline float reduce(FV a) {
   vec8 v;

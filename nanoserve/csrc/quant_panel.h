@@ -1,6 +1,6 @@
-// The products of the superblock_int formats (q4_k, q5_k, q6_k, q3_k, q2_k) with kPanelMinRows rows
-// of x or more: an outer-product micro-kernel in the manner of a GEMM's, where superblock_dot takes one
-// (row of W, row of x) pair at a time.
+// The products of the superblock_int formats (q4_k, q5_k, q6_k, q3_k, q2_k) and of exact_chunks (q8_0)
+// with kPanelMinRows rows of x or more: an outer-product micro-kernel in the manner of a GEMM's, where
+// superblock_dot and exact_chunk_dot take one (row of W, row of x) pair at a time.
 //
 // Private to the products' translation units (included by quant_dot.h only, after Activations and
 // superblock_step, which it uses; see quant.cpp for the files' roles). Everything is in the unnamed
@@ -9,17 +9,18 @@
 // Layout. x's rows in groups of kPanelRows, one int32 lane of a vector each (16 rows with 512-bit
 // vectors, 8 with 256; Activations' panel fields, build_panel): for each super-block, 64 vectors,
 // vector i holding values 4i .. 4i + 3 of each row of the group, with each row's unit, k16 and
-// sums16 as lanes likewise. W's rows of a task unpacked once (PanelW): each value as a byte, its
-// groups' scales and mins as int32, d and dmin. dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain AVX2)
+// sums16 (exact_chunks: each chunk's dx and -offset * sum of qx) as lanes likewise. W's rows of a
+// task unpacked once (PanelW): each value as a byte, its groups' scales and mins as int32, d and dmin
+// (exact_chunks: the bytes and each chunk's d). dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain AVX2)
 // of a broadcast four bytes of one row of W against a vector of x sums four products into each row's
 // lane: every instruction's products belong to kPanelRows outputs, so the sub-block scales (times
 // each row's k_c) are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not per
-// vector as in superblock_dot.
+// vector as in superblock_dot, and a chunk's fp32 step is one instruction for kPanelRows outputs.
 //
 // Invariant (batch invariance): each output's integer terms are exactly superblock_dot's (the same
 // sums of exact products) and its fp32 steps are superblock_step's, lane by lane, in super-block
-// order; so an output is the same bits whichever kernel computes it and whatever else shares the
-// product.
+// order (exact_chunks: exact_chunk_dot's chunk sums and steps, in chunk order); so an output is the
+// same bits whichever kernel computes it and whatever else shares the product.
 
 #pragma once
 
@@ -38,7 +39,8 @@ constexpr int kBand = 8;  // rows of W per pass of the micro-kernel (raw sums an
 
 // Rows [0, rows) of W (row_bytes apart) unpacked for panel_block, padded with zero rows to a
 // multiple of kBand: u [rows, K] the unsigned values, s and m [rows, K / 256, 16] each group of 16
-// values' scale and min (IntScales' s16, m16), d and dmin [rows, K / 256].
+// values' scale and min (IntScales' s16, m16), d and dmin [rows, K / 256]. exact_chunks: u [rows, K]
+// (Group's u: signed on plain AVX2, kSignTrick) and d [rows, K / 32] only.
 struct PanelW {
   std::vector<uint8_t> u;
   std::vector<int32_t> s, m;
@@ -53,25 +55,38 @@ inline void store_int32(int32_t* p, __m256i v) {
 
 template <int Q>
 void unpack_panel_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, PanelW& p) {
-  const int64_t padded = (rows + kBand - 1) / kBand * kBand, blocks = K / 256;
-  p.u.assign(padded * K, 0);
-  p.s.assign(padded * blocks * 16, 0);
-  p.m.assign(padded * blocks * 16, 0);
-  p.d.assign(padded * blocks, 0.0f);
-  p.dmin.assign(padded * blocks, 0.0f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = w + r * row_bytes + b * layout(Q).bytes;
-      const Group<Q> grp(block);
-      for (int c = 0; c < 8; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.u.data() + r * K + b * 256 + c * kChunk), grp.u(c));
-      const IntScales sc = int_scales<Q>(block);
-      const int64_t at = r * blocks + b;
-      store_int32(p.s.data() + at * 16, sc.s16);
-      store_int32(p.m.data() + at * 16, sc.m16);
-      p.d[at] = sc.d;
-      p.dmin[at] = sc.dmin;
-    }
+  const int64_t padded = (rows + kBand - 1) / kBand * kBand;
+  if constexpr (exact_chunks(Q)) {
+    const int64_t chunks = K / kChunk;
+    p.u.assign(padded * K, 0);
+    p.d.assign(padded * chunks, 0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* block = w + r * row_bytes + c * layout(Q).bytes;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.u.data() + r * K + c * kChunk), Group<Q>(block).u(0));
+        p.d[r * chunks + c] = fp16(block);
+      }
+  } else {
+    const int64_t blocks = K / 256;
+    p.u.assign(padded * K, 0);
+    p.s.assign(padded * blocks * 16, 0);
+    p.m.assign(padded * blocks * 16, 0);
+    p.d.assign(padded * blocks, 0.0f);
+    p.dmin.assign(padded * blocks, 0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = w + r * row_bytes + b * layout(Q).bytes;
+        const Group<Q> grp(block);
+        for (int c = 0; c < 8; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.u.data() + r * K + b * 256 + c * kChunk), grp.u(c));
+        const IntScales sc = int_scales<Q>(block);
+        const int64_t at = r * blocks + b;
+        store_int32(p.s.data() + at * 16, sc.s16);
+        store_int32(p.m.data() + at * 16, sc.m16);
+        p.d[at] = sc.d;
+        p.dmin[at] = sc.dmin;
+      }
+  }
 }
 
 // acc[t] (lane l: row kPanelRows grp + l of x) = the outputs of rows t0 + t of W (t < kBand) over all of K,
@@ -139,6 +154,41 @@ void panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp,
   }
 }
 
+// acc[t] (lane l: row kPanelRows grp + l of x) = the outputs of rows t0 + t of W (t < kBand) over all
+// of K, exact_chunks: exact_chunk_dot's steps, its eight accumulators one after the other (the
+// chunks c % 8 == r for r = 0 .. 7, each in chunk order), then chunk_total's sum, lane by lane.
+template <int Q>
+void chunk_panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp, int64_t K, FV acc[kBand]) {
+  const int64_t chunks = K / kChunk, Kp = a.Kp;
+  const int64_t at0 = grp * (Kp / kChunk);  // the group's first chunk in punit and psums, over kPanelRows
+  const int8_t* xq = a.pq.data() + grp * Kp * kPanelRows;
+  FV part[8][kBand];
+  for (int r = 0; r < 8; ++r) {
+    for (int t = 0; t < kBand; ++t) part[r][t] = fzero();
+    for (int64_t c = r; c < chunks; c += 8) {
+      IV raw[kBand];
+      const IV start = load_i(a.psums.data() + (at0 + c) * kPanelRows);
+      for (int t = 0; t < kBand; ++t) raw[t] = start;
+#pragma GCC unroll 8
+      for (int q = 0; q < kChunk / 4; ++q) {
+        const IV xv = load_i(xq + (c * kChunk / 4 + q) * kVecValues);
+        const IV ax = abs8(xv);  // (kSignTrick only)
+        for (int t = 0; t < kBand; ++t) {
+          int32_t u4;
+          std::memcpy(&u4, w.u.data() + (t0 + t) * K + c * kChunk + q * 4, sizeof u4);
+          raw[t] = kSignTrick ? dot4(raw[t], ax, sign_mul(iset1(u4), xv)) : dot4(raw[t], iset1(u4), xv);
+        }
+      }
+      const FV dx = load_f(a.punit.data() + (at0 + c) * kPanelRows);
+      for (int t = 0; t < kBand; ++t)
+        part[r][t] = fma(to_fp32(raw[t]), mul(fset1(w.d[(t0 + t) * chunks + c]), dx), part[r][t]);
+    }
+  }
+  for (int t = 0; t < kBand; ++t)
+    acc[t] = add(add(add(part[0][t], part[4][t]), add(part[2][t], part[6][t])),
+                 add(add(part[1][t], part[5][t]), add(part[3][t], part[7][t])));
+}
+
 // Output columns [begin, end) for all M rows of x (a.pq built): W's rows of the range unpacked once;
 // x's groups in blocks that stay in L2 beside them, each block against every band of kBand rows.
 template <int Q, typename T, typename O>
@@ -152,7 +202,10 @@ void panel_range(const uint8_t* w, int64_t row_bytes, const Activations& a, cons
     for (int64_t t0 = 0; t0 < end - begin; t0 += kBand)
       for (int64_t grp = g0; grp < std::min(groups, g0 + per_block); ++grp) {
         FV acc[kBand];
-        panel_block<Q>(pw, t0, a, grp, K, acc);
+        if constexpr (exact_chunks(Q))
+          chunk_panel_block<Q>(pw, t0, a, grp, K, acc);
+        else
+          panel_block<Q>(pw, t0, a, grp, K, acc);
         float v[kBand][kPanelRows];
         for (int t = 0; t < kBand; ++t) store_f(v[t], acc[t]);
         const int64_t n0 = begin + t0, rows = std::min<int64_t>(kPanelRows, M - grp * kPanelRows);

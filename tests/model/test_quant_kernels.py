@@ -190,16 +190,17 @@ def test_k_quants_cannot_be_quantized_here() -> None:
 
 @pytest.mark.slow
 @needs_compiler
-@pytest.mark.parametrize("fmt", sorted(SUPERBLOCK_FORMATS))
-def test_k_quant_products_are_the_same_bits_on_every_vector_path(fmt: str) -> None:
+@pytest.mark.parametrize("fmt", [*sorted(SUPERBLOCK_FORMATS), "q8_0"])
+def test_k_quant_and_q8_0_products_are_the_same_bits_on_every_vector_path(fmt: str) -> None:
     """The k-quants end each super-block of each output as two exact integer terms taken into fp32 by
-    the same steps (quant_dot.h's superblock_step), whichever kernel (the pair kernel below 8 rows of
-    x, quant_panel.h's from 8 on) and whichever vector width: the native AVX512-VNNI build and the
-    AVX2 one give the same bits."""
+    the same steps (quant_dot.h's superblock_step), q8_0 each chunk as one exact sum taken into one of
+    eight accumulators (exact_chunk_dot), whichever kernel (the pair kernel below 8 rows of x,
+    quant_panel.h's from 8 on) and whichever vector width: the native AVX512-VNNI build and the AVX2
+    one give the same bits. (q8_0: 11 chunks, a whole step of eight and a tail of three.)"""
     native, avx2 = load_build("native"), load_build("no-vnni")
     rng = np.random.default_rng(23 + FORMATS.index(fmt))
     spec = BLOCK_FORMATS[fmt]
-    n, k = 21, 3 * spec.block_size
+    n, k = 21, (3 if spec.block_size == 256 else 11) * spec.block_size
     raw = random_blocks(fmt, n, k, rng)
     for m in (1, 5, 8, 33):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16)
@@ -219,12 +220,13 @@ def test_k_quant_products_are_the_same_bits_on_every_vector_path(fmt: str) -> No
 def test_every_format_s_rows_do_not_depend_on_the_other_rows(fmt: str, dtype: torch.dtype) -> None:
     """Batch invariance for each block format: CpuLayerOps.linear and .logits give a row the same
     bits alone, among 3 or 33 rows or among 70 (one path for any number of rows), and the fp32
-    logits rounded to the dtype are linear's output."""
+    logits rounded to the dtype are linear's output. (The 32-value formats: 17 blocks, an odd count
+    with a tail past every whole step.)"""
     lib = load_cpu_kernels()
     assert lib is not None
     ops = CpuLayerOps(lib)
     rng = np.random.default_rng(11 + FORMATS.index(fmt))
-    k = 512
+    k = 512 if BLOCK_FORMATS[fmt].block_size == 256 else 544
     w = BlockQuantWeight(fmt, torch.from_numpy(random_blocks(fmt, 67, k, rng)), k, dtype)
     rows = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32)).to(dtype)
     whole, logits = ops.linear(rows, w), ops.logits(rows, w)
