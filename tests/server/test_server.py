@@ -158,6 +158,20 @@ def test_token_ids_prompt_and_echo(client: openai.OpenAI, url: str) -> None:
     assert chat_ids["count"] == len(chat_ids["tokens"]) > 2 and chat_ids["max_model_len"] == 128
 
 
+def test_stream_text_with_unicode_line_separators_reads_line_by_line(url: str) -> None:
+    """U+2028, U+2029 and U+0085 in streamed text (here an echoed prompt; a model can as well emit
+    them) go out escaped: httpx's iter_lines, which many Python SSE clients read with, splits on them,
+    and a raw one cut an event in two (a JSONDecodeError in the client; seen in `bench serve`)."""
+    prompt = "a\u2028b\u2029c\x85d"
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 3, "echo": True, "stream": True, **LONG, **GREEDY}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks).startswith(prompt)
+
+
 def test_every_sdk_field_and_nulls(client: openai.OpenAI, url: str) -> None:
     out = client.chat.completions.create(
         model=SERVED, messages=[{"role": "developer", "content": "Terse."}, {"role": "user", "content": "Hi"}],

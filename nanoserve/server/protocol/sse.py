@@ -21,7 +21,15 @@ KEEP_ALIVE = b": keep-alive\n\n"
 
 
 def event(payload: Any) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One `data:` event. Text goes out as UTF-8 (`ensure_ascii=False`), but with U+0085, U+2028 and
+    U+2029 escaped: json.dumps leaves them raw, and line readers built on str.splitlines (httpx's
+    `iter_lines`, so many Python SSE clients) take them for line ends, which would cut the event in
+    two. JSON allows the escapes anywhere in a string, and outside strings these characters never
+    occur, so the payload reads back the same."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    if not text.isascii():
+        text = text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def named_event(name: str, payload: Any) -> bytes:
