@@ -101,25 +101,24 @@ int64_t padded(int qtype, int64_t K) {
   return (K + step - 1) / step * step;
 }
 
-// Whether one quantization of the rows serves products of both types (the same fields, panel kind,
-// offset and padding).
+// Whether one quantization of the rows serves products of both types (the same fields, offset and
+// padding).
 bool shared_input(int qa, int qb, int64_t K) {
-  return superblock_int(qa) == superblock_int(qb) && exact_chunks(qa) == exact_chunks(qb) && offset_of(qa) == offset_of(qb) &&
-         padded(qa, K) == padded(qb, K);
+  return superblock_int(qa) == superblock_int(qb) && offset_of(qa) == offset_of(qb) && padded(qa, K) == padded(qb, K);
 }
 
-// Rows for the products of type qtype: quantized, and from panel_min_rows(qtype) rows on laid out in
-// panels too (quant_panel.h).
+// Rows for the products of type qtype: quantized, and from kPanelMinRows rows on laid out in panels
+// too (quant_panel.h).
 template <typename T>
 void make_input(const T* rows, int64_t n, int64_t K, int qtype, Input& in) {
   quantize_activations(rows, n, K, padded(qtype, K), qtype, in);
-  if (n >= panel_min_rows(qtype)) build_panel(in, n);
+  if (n >= kPanelMinRows) build_panel(in, n);
 }
 
-// in's rows `rows[0 .. n)` copied into out, in that order (in panels too from panel_min_rows rows on).
+// in's rows `rows[0 .. n)` copied into out, in that order (in panels too from kPanelMinRows rows on).
 void gather(const Input& in, const int64_t* rows, int64_t n, Input& out) {
   gather_activations(in, rows, n, out);
-  if (n >= panel_min_rows(out.qtype)) build_panel(out, n);
+  if (n >= kPanelMinRows) build_panel(out, n);
 }
 
 // out[m * stride + n - begin] = in row m . W row n of expert e, for n in [begin, end), m < n_rows.

@@ -8,8 +8,7 @@
 //                   vector operations the others are written in
 //   quant_blocks.h  the GGUF block formats: layouts, unpacking of W's groups, row dequantization
 //   quant_dot.h     the int8 dot products: activation quantization, dot_block, column_range
-//   quant_panel.h   the products of many rows of x for the superblock formats and q8_0 (an
-//                   outer-product kernel)
+//   quant_panel.h   the products of many rows of x (an outer-product kernel)
 // Without AVX2 a plain scalar loop (here) dequantizes each row of W and multiplies it with x in
 // fp32 (no activation quantization). nanoserve_quant_isa reports which path the build takes.
 //
@@ -18,8 +17,8 @@
 // number of rows of x: one arithmetic per weight format (activations quantized to 8 bits per block
 // of 32, or per super-block for the k-quants), so each output is the same bits whatever else shares
 // the step (batch invariance: no switch to AMX tiles or to a GEMM on dequantized tiles past some
-// number of rows, which would sum other values in another order; the panel kernel of the k-quants
-// and q8_0 computes the same exact integer terms and the same fp32 steps as their lane kernels).
+// number of rows, which would sum other values in another order; the panel kernel computes the
+// same exact integer terms and the same fp32 steps as the pair kernels).
 //
 // Layouts: x [M, K] contiguous; W [N, row_bytes] (quant_blocks.h); bias [N] or null (x's type); out
 // row m at out + m * out_stride (out_stride >= N: a fused matrix's parts write column slices of one
@@ -49,22 +48,22 @@ void products(const T* x, const uint8_t* w, const T* bias, O* out, int64_t out_s
               int64_t K, int num_threads) {
   constexpr int64_t step = std::max<int64_t>(layout(Q).values, kVecValues);
   const int64_t row_bytes = K / layout(Q).values * layout(Q).bytes, Kp = (K + step - 1) / step * step;
-  // x quantized (and, from panel_min_rows(Q) rows on, laid out in panels for quant_panel.h), then the
+  // x quantized (and, from kPanelMinRows rows on, laid out in panels for quant_panel.h), then the
   // products. From kPanelMinRows rows on the threads share the rows, then the panel groups (each
   // step one more meeting of the threads), then the tasks.
   Activations a;
   size_activations(a, M, Kp, Q);
-  const bool many = M >= kPanelMinRows, panel = M >= panel_min_rows(Q);
-  if (panel) size_panel(a, M);
-  if (!many) quantize_rows(x, 0, M, K, Q, a);
+  const bool panel = M >= kPanelMinRows;
+  if (panel)
+    size_panel(a, M);
+  else
+    quantize_rows(x, 0, M, K, Q, a);
   const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask, groups = (M + kPanelRows - 1) / kPanelRows;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && M * N * K >= kParallelWork)
   {
-    if (many) {
+    if (panel) {
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) quantize_rows(x, m, m + 1, K, Q, a);
-    }
-    if (panel) {
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < groups; ++g) panel_groups(a, M, g, g + 1);
     }

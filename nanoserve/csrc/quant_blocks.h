@@ -19,9 +19,9 @@
 //
 // Invariants: every dequantization here gives each value as ggml computes it, (d * scale) * q -
 // dmin * min, so the SIMD rows (dequantize_row) and the scalar blocks (dequantize_block) give the
-// same bits; a group's u(c) / uv(v) and (chunk_dot's groups) s(c) / sv(v) give chunk c's (vector
-// v's) bytes and lane scales in the order the activations are laid out (value i of a chunk in byte
-// i); int_scales gives a superblock_int format's sub-block scales and mins as integers, exactly.
+// same bits; a group's u(c) / uv(v) give chunk c's (vector v's) bytes in the order the activations
+// are laid out (value i of a chunk in byte i); int_scales gives a superblock_int format's sub-block
+// scales and mins as integers, exactly, and iq4_xs's group its chunks' scales (scale8), exactly.
 
 #pragma once
 
@@ -261,14 +261,13 @@ inline void dequantize_row_scalar(int qtype, const uint8_t* src, int64_t K, floa
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
-inline __m256 lanes_of(__m256 v, int i) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i)); }
 
 // Whether a format's values are signed bytes looked up or stored as they are (its u on plain AVX2,
 // kSignTrick, where u + 128 would saturate vpmaddubsw), the offset each format's u carries (folded
 // into the activation rows), whether its values have a min (has_mins: q4_1, q5_1 and the k-quants
-// q4_k, q5_k, q2_k) and whether chunk_dot takes it lane by lane (has_lane_mins: q4_1's and q5_1's
-// m, what the block adds to each value, in the lanes of its values (mv, pair_mins), times the
-// activation's lane sums; the k-quants' mins are superblock_dot's).
+// q4_k, q5_k, q2_k) and whether that min is the 32-value block's own (has_lane_mins: q4_1's and
+// q5_1's m, what the block adds to each value, times the chunk's sum of qx in exact_chunk_dot; the
+// k-quants' mins are superblock_dot's).
 constexpr bool signed_values(int qtype) { return qtype == kQ8_0 || qtype == kIQ4_NL || qtype == kIQ4_XS; }
 constexpr int offset_of(int qtype) {
   return signed_values(qtype) ? (kSignTrick ? 0 : 128)
@@ -317,13 +316,12 @@ inline __m512i nibbles32(__m256i q) {
 #endif
 
 // One group of W's blocks (one block: 32 or 256 values, `values`), decoded for the dot products:
-// u(c) chunk c's 32 unsigned bytes; uv(v) the same for vector v of the path (two chunks with
-// NANOSERVE_QUANT_ZMM), except that the 32-value formats there pair two groups in a vector (pair_u:
-// u(0) of each; pair_scales). The groups that chunk_dot reads (the 32-value formats and iq4_xs) also
-// give s(c) / sv(v), the 8 lane scales of a chunk (one per 4 values) or vector, and q4_1 / q5_1
-// their mins lane by lane (mv, pair_mins); the superblock_int formats' scales are int_scales'
-// (their groups are the unpacking of u only). Built from the block's address once per group, then
-// read per vector.
+// u(c) chunk c's 32 unsigned bytes; the 256-value formats' uv(v) the same for vector v of the path
+// (two chunks with NANOSERVE_QUANT_ZMM), where the 32-value formats pair two groups in a vector
+// (pair_u: u(0) of each). iq4_xs's group also gives its eight chunks' scales (scale8); the
+// superblock_int formats' scales are int_scales', the 32-value formats' their fp16 d and m, read by
+// the products (their groups are the unpacking of u only). Built from the block's address once per
+// group, then read per vector.
 //
 // The template itself is the group of the 32-value formats, one block: its fp16 scale d, then
 // (q4_1, q5_1) the fp16 min m, (q5_0, q5_1) 32 fifth bits (bit i tops value i), then the quants:
@@ -339,9 +337,8 @@ struct Group {
   static constexpr bool five = Q == kQ5_0 || Q == kQ5_1;
   static constexpr int64_t qs_at = 2 + (has_lane_mins(Q) ? 2 : 0) + (five ? 4 : 0);
   const uint8_t* p;
-  __m256 scale;
   Group() = default;
-  explicit Group(const uint8_t* block) : p(block), scale(_mm256_set1_ps(fp16(block))) {}
+  explicit Group(const uint8_t* block) : p(block) {}
   __m256i u(int) const {
     if constexpr (Q == kQ8_0) {
       const __m256i q = load32(p + 2);
@@ -357,8 +354,6 @@ struct Group {
       return n;
     }
   }
-  // (q4_1, q5_1) what the block adds to each value, m, in the lanes of its chunk (mv, pair_mins).
-  __m256 min8() const { return _mm256_set1_ps(fp16(p + 2)); }
 #if defined(NANOSERVE_QUANT_ZMM)
   // A vector is two blocks, this one at a and the next at b (null: none): u(0) of the block at a in
   // bytes 0-31, of the block at b (null: zeros) in bytes 32-63. The 4-bit formats unpack both blocks'
@@ -386,42 +381,6 @@ struct Group {
       return n;
     }
   }
-  // m of the block at a in lanes 0-7, of the block at b (null: 0) in lanes 8-15 (as pair_scales).
-  static FV pair_mins(const uint8_t* a, const uint8_t* b) {
-    static_assert(has_lane_mins(Q), "q4_1 and q5_1 only");
-    return _mm512_permutexvar_ps(pair_lanes(1), pair_d_m(a, b));
-  }
-  // q4_1, q5_1: d and m of the block at a and of the block at b (null: zeros) as floats, [da, ma, db,
-  // mb] in lanes 0-3: one load of the four bytes of each, one conversion for all four.
-  static __m512 pair_d_m(const uint8_t* a, const uint8_t* b) {
-    uint32_t wa, wb = 0;
-    std::memcpy(&wa, a, sizeof wa);
-    if (b != nullptr) std::memcpy(&wb, b, sizeof wb);
-    const uint64_t both = wa | static_cast<uint64_t>(wb) << 32;
-    return _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(both))));
-  }
-  // The index of lane `first` in lanes 0-7, lane first + 2 in lanes 8-15.
-  static __m512i pair_lanes(int first) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(first)), _mm256_set1_epi32(first + 2), 1);
-  }
-  // A vector is two blocks, this one at a and the next at b (null: none): d of the block at a in
-  // lanes 0-7, of the block at b (null: 0) in lanes 8-15; one conversion for both.
-  static FV pair_scales(const uint8_t* a, const uint8_t* b) {
-    if constexpr (has_lane_mins(Q)) {
-      return _mm512_permutexvar_ps(pair_lanes(0), pair_d_m(a, b));
-    } else {
-      uint16_t da, db = 0;
-      std::memcpy(&da, a, sizeof da);
-      if (b != nullptr) std::memcpy(&db, b, sizeof db);
-      const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(da | static_cast<uint32_t>(db) << 16)));
-      return _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1),
-                                   _mm512_castps128_ps512(both));
-    }
-  }
-#else  // a vector is this one block
-  IV uv(int) const { return u(0); }
-  FV sv(int) const { return scale; }
-  FV mv(int) const { return min8(); }
 #endif
 };
 
@@ -528,20 +487,13 @@ struct Group<kIQ4_XS> {
                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(packed))));
   }
   __m256i u(int c) const { return _mm256_shuffle_epi8(iq4_table(), nibbles16(p + 8 + 16 * c)); }
-  __m256 s(int c) const { return lanes_of(scale8, c); }
 #if defined(NANOSERVE_QUANT_ZMM)
   IV uv(int v) const {  // chunks 2v, 2v + 1: the nibbles of bytes 0-15, then of bytes 16-31, at 8 + 32v
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm256_castsi256_si128(iq4_table())),
                                nibbles32(load32(p + 8 + 32 * v)));
   }
-  FV sv(int v) const {
-    const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * v)),
-                                             _mm256_set1_epi32(2 * v + 1), 1);
-    return _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(scale8));
-  }
 #else
   IV uv(int v) const { return u(v); }
-  FV sv(int v) const { return s(v); }
 #endif
 };
 
@@ -625,15 +577,17 @@ inline __m128i q3_k_scales16(const uint8_t* p) {
 
 // The 256-value formats whose products accumulate each super-block in int32 (quant_dot.h's
 // superblock_dot): their u fit vpmaddubsw (u <= 63, no saturation) and their sub-block scales and
-// mins are small integers. (iq4_xs's u = table + 128 would saturate it: it keeps chunk_dot.)
+// mins are small integers. (iq4_xs's u = table + 128 would saturate it: it is an exact_chunks format.)
 constexpr bool superblock_int(int qtype) {
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K || qtype == kQ3_K || qtype == kQ2_K;
 }
 
-// The 32-value formats whose products sum each chunk's 32 products exactly in int32 and take it
+// The formats whose products sum each 32-value chunk's products exactly in int32 and take the sum
 // into fp32 with one step per chunk (quant_dot.h's exact_chunk_dot, and quant_panel.h's kernel from
-// kPanelMinRows rows of x on): q8_0, whose chunk holds one scale and no min.
-constexpr bool exact_chunks(int qtype) { return qtype == kQ8_0; }
+// kPanelMinRows rows of x on): every format but the superblock_int ones, that is the 32-value
+// blocks, which begin with their fp16 scale d (q4_1 and q5_1 then their fp16 min), and iq4_xs,
+// whose chunks' scales are d times a small integer (exact in fp32).
+constexpr bool exact_chunks(int qtype) { return layout(qtype).values != 0 && !superblock_int(qtype); }
 
 // A super-block's scales as integers: value 16i + l (i < 16) = d * s16[i] * (u - offset) -
 // dmin * m16[i], with s16 and m16 sixteen int16 lanes (q4_k's and q5_k's per-32 scales and mins

@@ -8,16 +8,16 @@
 //
 // Activations are quantized per product, row by row, in blocks of 32: dx = max|x| / 127, qx =
 // round(x / dx) in [-127, 127]. A 32-value stretch ("chunk") of a row of W then contributes
-//   sum_i w_i x_i ~= dx * (scale * (sum_i u_i qx_i - offset * sum_i qx_i) - min * sum_i qx_i)
-// where the integer sums are exact (chunk_dot). Per activation row we keep: qx (int8), the scale of
-// each 4-value lane (fp32), -offset * (the lane's sum of qx) (int32: the dot product instruction
-// starts from it, so the offset costs no instruction), dx * the lane's sum of qx (for q4_1's and
-// q5_1's mins, one fma per vector) and each chunk's dx once.
+//   sum_i w_i x_i ~= dx * (scale * (sum_i u_i qx_i - offset * sum_i qx_i) + m * sum_i qx_i)
+// where the integer sums are exact. Per activation row we keep: qx (int8), -offset * (each 4-value
+// lane's sum of qx) (int32: the dot product instruction starts from it, so the offset costs no
+// instruction), and each chunk's dx and sum of qx.
 //
-// q8_0 (exact_chunks) sums each chunk's 32 products exactly in int32 and takes the sum into fp32
-// once, into one of eight accumulators per output (exact_chunk_dot: the lanes of eight chunks summed
-// by chunk_sums8; from kPanelMinRows rows of x on, quant_panel.h's micro-kernel takes the same
-// steps for kPanelRows rows of x at once).
+// Every format but the k-quants below (exact_chunks: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs)
+// sums each chunk's products exactly in int32 and takes the sum into fp32 once (q4_1, q5_1: the
+// chunk's sum of qx times the block's min m, a second step), into one of eight accumulators per
+// output (exact_chunk_dot: the lanes of eight chunks summed by chunk_sums8; from kPanelMinRows rows
+// of x on, quant_panel.h's micro-kernel takes the same steps for kPanelRows rows of x at once).
 //
 // The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
 // take a form like llama.cpp's instead: x quantized again with each chunk's dx a whole multiple k_c
@@ -37,24 +37,23 @@
 // reaches but q8_0's u = q + 128 would (and iq4's table + 128), so q8_0, iq4_nl and iq4_xs on plain
 // AVX2 take the form llama.cpp uses: |qx| against q * sign(qx), no offset (this needs values in
 // [-127, 127], as ggml's quantizers write q8_0 and as kIq4Values are; -128 would flip wrongly).
-// Elsewhere each lane's int32 is converted to fp32 and multiplied by its two scales into an fp32
-// accumulator per (row of W, row of x).
 //
 // Structure: in a range of columns, W's rows in groups of NW (one for one row of x, else two)
 // against the rows of x in groups of up to kRowsX; each group of W's blocks is unpacked into
 // registers once per group of x rows and read from L1 for the next. The superblock_int formats take
 // each group of W's rows against all rows of x in turn, so W streams from memory once per call
-// (from kPanelRows rows of x on: quant_panel.h); the 32-value formats (and iq4_xs) each group of
-// x's rows against all the range's rows of W in turn, so x's group stays in L1 and W streams from
-// memory once, then from L2 (with two rows of W, the next two prefetched meanwhile; one row is a
-// sequential stream the hardware prefetcher follows).
+// (from kPanelRows rows of x on: quant_panel.h); exact_chunks each group of x's rows against all
+// the range's rows of W in turn, so x's group stays in L1 and W streams from memory once, then from
+// L2 (with two rows of W, the next two prefetched meanwhile; one row is a sequential stream the
+// hardware prefetcher follows); from kPanelMinRows rows of x on, quant_panel.h.
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
 // a step past K multiplies zeros; each output is biased and rounded to the output type once, at the
 // end. Each output's operations depend on its row of x and its row of W only, not on NW, MX, M or
-// the row's place (one accumulator per (row of W, row of x), the same lanes and order; for the
-// superblock_int formats, the same exact integer terms and superblock_step, and for exact_chunks the
-// same exact chunk sums and chunk steps, whichever kernel): batch invariance.
+// the row's place (for the superblock_int formats, the same exact integer terms and superblock_step,
+// and for exact_chunks the same exact chunk sums and chunk steps, whichever kernel): batch
+// invariance. Since the integer sums are exact and the fp32 steps fixed, an output is also the same
+// bits on every vector path (AVX512-VNNI, AVX-VNNI, AVX2).
 
 #pragma once
 
@@ -83,10 +82,9 @@ struct Activations {
   int qtype;  // the format of the W these rows were quantized for
   int64_t Kp;
   std::vector<int8_t> q;      // [M, Kp]
-  std::vector<float> scale;   // [M, Kp / 4]: each lane's dx
   std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
-  std::vector<float> lane_sums;  // [M, Kp / 4]: dx * the lane's sum of qx
   std::vector<float> chunk_scale;  // [M, Kp / 32]: each chunk's dx (its lanes' scale, once)
+  std::vector<int32_t> chunk_sums;  // [M, Kp / 32]: each chunk's sum of qx
   // The same rows quantized for the superblock_int formats, chunk c of a super-block with
   // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled for those formats only (then
   // Kp == K, a multiple of 256), as the fields above for the others only.
@@ -99,22 +97,16 @@ struct Activations {
   // + 3 of each row; q256's for the superblock_int formats, q's for exact_chunks). The superblock_int
   // formats: punit [groups, Kp / 256, kPanelRows], pk and psums [groups, Kp / 256, 16 groups of 16
   // values, kPanelRows] (k16 and sums16 as int32). exact_chunks: punit [groups, Kp / 32, kPanelRows]
-  // each chunk's dx, psums likewise its -offset * sum of qx (the sum of its lanes' base); pk empty.
+  // each chunk's dx, psums likewise its sum of qx (chunk_sums); pk empty.
   std::vector<int8_t> pq;
   std::vector<float> punit;
   std::vector<int32_t> pk, psums;
 };
 
 constexpr int kPanelRows = kVecValues / 4;  // rows of x per panel group: one int32 lane of a vector each
-// Rows of x from which the panel kernel is the faster (measured, for the superblock_int formats and
-// exact_chunks alike).
+// Rows of x from which the products take quant_panel.h's kernel, the faster from there on (measured,
+// for the superblock_int formats and exact_chunks alike).
 constexpr int kPanelMinRows = 8;
-
-// The rows of x from which products with W of type qtype take quant_panel.h's kernel (never for
-// the formats it does not take).
-constexpr int64_t panel_min_rows(int qtype) {
-  return superblock_int(qtype) || exact_chunks(qtype) ? kPanelMinRows : INT64_MAX;
-}
 
 // The largest |x| of 32 values (four vectors of eight).
 inline float amax32(const __m256 v[4]) {
@@ -148,10 +140,9 @@ inline void size_activations(Activations& a, int64_t M, int64_t Kp, int qtype) {
   a.Kp = Kp;
   const int64_t chunk_rows = superblock_int(qtype) ? 0 : M, block_rows = M - chunk_rows;
   a.q.assign(chunk_rows * Kp, 0);
-  a.scale.assign(chunk_rows * Kp / 4, 0.0f);
   a.base.assign(chunk_rows * Kp / 4, 0);
-  a.lane_sums.assign(chunk_rows * Kp / 4, 0.0f);
   a.chunk_scale.assign(chunk_rows * Kp / kChunk, 0.0f);
+  a.chunk_sums.assign(chunk_rows * Kp / kChunk, 0);
   a.q256.assign(block_rows * Kp, 0);
   a.unit.assign(block_rows * Kp / 256, 0.0f);
   a.k16.assign(block_rows * Kp / 16, 1);
@@ -213,9 +204,10 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
       const int64_t at = m * Kp + c * kChunk;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + at), q);
       const __m256i lanes = lane_sums_of(q);
-      _mm256_storeu_ps(a.scale.data() + at / 4, _mm256_set1_ps(d));
       a.chunk_scale[at / kChunk] = d;
-      _mm256_storeu_ps(a.lane_sums.data() + at / 4, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes)));
+      __m256i h = _mm256_hadd_epi32(lanes, lanes);  // twice: lane 0 the sum of lanes 0-3, lane 4 of 4-7
+      h = _mm256_hadd_epi32(h, h);
+      a.chunk_sums[at / kChunk] = _mm256_extract_epi32(h, 0) + _mm256_extract_epi32(h, 4);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
                           _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset_of(qtype))));
     }
@@ -261,8 +253,7 @@ inline void panel_groups(Activations& a, int64_t M, int64_t g_begin, int64_t g_e
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t at = (grp * chunks + c) * kPanelRows + lane;
         a.punit[at] = a.chunk_scale[r * chunks + c];
-        const int32_t* base = a.base.data() + (r * Kp + c * kChunk) / 4;
-        a.psums[at] = base[0] + base[1] + base[2] + base[3] + base[4] + base[5] + base[6] + base[7];
+        a.psums[at] = a.chunk_sums[r * chunks + c];
       }
     }
   }
@@ -298,10 +289,9 @@ inline void gather_activations(const Activations& in, const int64_t* rows, int64
   };
   const int64_t Kp = in.Kp;
   take(in.q, out.q, Kp);
-  take(in.scale, out.scale, Kp / 4);
   take(in.base, out.base, Kp / 4);
-  take(in.lane_sums, out.lane_sums, Kp / 4);
   take(in.chunk_scale, out.chunk_scale, Kp / kChunk);
+  take(in.chunk_sums, out.chunk_sums, Kp / kChunk);
   take(in.q256, out.q256, Kp);
   take(in.unit, out.unit, Kp / 256);
   take(in.k16, out.k16, Kp / 16);
@@ -389,7 +379,7 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
   for (int m = 0; m < MX; ++m) acc2[m] = _mm_setzero_ps();
   for (int64_t k = 0; k < K; k += 256) {
     const int64_t g = k / 256;
-    if constexpr (NW > 1)  // the next rows' same stretch, as in chunk_dot
+    if constexpr (NW > 1)  // the next rows' same stretch, as in exact_chunk_dot
       for (int j = NW; j < 2 * NW; ++j)
         for (int64_t at = g * bytes; at < (g + 1) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
     IntScales sc[NW];
@@ -466,80 +456,6 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
   }
 }
 
-// res[m][j] = x_m . w_j for MX activation rows (from row m0) and NW rows of W (from w, row_bytes apart):
-// the formats of 32-value chunks (and iq4_xs), x quantized per chunk.
-template <int Q, int NW, int MX>
-void chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
-               float (*res)[4]) {
-  static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
-  using G = Group<Q>;
-  constexpr int64_t bytes = layout(Q).bytes;
-  FV acc[NW][MX];
-  for (int j = 0; j < NW; ++j)
-    for (int m = 0; m < MX; ++m) acc[j][m] = fzero();
-  const int64_t Kp = a.Kp;
-  // A step covers max(one group, one vector) of values: two q8_0 / q4_0 blocks per 512-bit vector.
-  constexpr int64_t per_step = std::max<int64_t>(G::values, kVecValues);
-  constexpr int64_t groups_per_step = per_step / G::values;
-  // One step of values [k, k + per_step); `pair`: its second group lies before K (false only for
-  // the last step of an odd number of 32-value blocks: a zero chunk, against zero-padded
-  // activations).
-  const auto step = [&](int64_t k, auto pair) {
-    const int64_t g0 = k / G::values;
-    // With several rows of W: the same stretch of the next NW rows (the next call's, or the next
-    // task's: rows follow one another in memory), a cache line at a time, since the hardware
-    // prefetcher does not run far enough ahead on NW interleaved streams. One row of W is one
-    // sequential stream, which the hardware prefetcher follows at the rate memory delivers.
-    if constexpr (NW > 1)
-      for (int j = NW; j < 2 * NW; ++j)
-        for (int64_t at = g0 * bytes; at < (g0 + groups_per_step) * bytes; at += 64)
-          __builtin_prefetch(w + j * row_bytes + at, 0, 3);
-    G ga[NW];  // one group per step (two-group steps read their rows through G's pair_* functions)
-    if constexpr (groups_per_step == 1)
-      for (int j = 0; j < NW; ++j) ga[j] = G(w + j * row_bytes + g0 * bytes);
-    // Unrolled: each vector's offsets and lanes are then constants, with no address or index
-    // arithmetic per vector.
-#pragma GCC unroll 8
-    for (int64_t v = 0; v < per_step / kVecValues; ++v) {
-      IV u[NW];
-      FV s[NW], mins[NW];  // mins: has_lane_mins only
-      for (int j = 0; j < NW; ++j) {
-        if constexpr (groups_per_step == 1) {
-          u[j] = ga[j].uv(static_cast<int>(v));
-          s[j] = ga[j].sv(static_cast<int>(v));
-          if constexpr (has_lane_mins(Q)) mins[j] = ga[j].mv(static_cast<int>(v));
-        } else {  // two one-chunk groups in one vector
-          const uint8_t* row = w + j * row_bytes + g0 * bytes;
-          u[j] = G::pair_u(row, pair ? row + bytes : nullptr);
-          s[j] = G::pair_scales(row, pair ? row + bytes : nullptr);
-          if constexpr (has_lane_mins(Q)) mins[j] = G::pair_mins(row, pair ? row + bytes : nullptr);
-        }
-      }
-      const int64_t at = k + v * kVecValues;
-      for (int m = 0; m < MX; ++m) {
-        const int64_t row = (m0 + m) * Kp + at;
-        const IV xq = load_i(a.q.data() + row);
-        const FV xs = load_f(a.scale.data() + row / 4);
-        const IV base = load_i(a.base.data() + row / 4);
-        for (int j = 0; j < NW; ++j) {
-          const IV dp = kSignTrick && signed_values(Q) ? dot4(base, abs8(xq), sign_mul(u[j], xq)) : dot4(base, u[j], xq);
-          acc[j][m] = fma(to_fp32(dp), mul(s[j], xs), acc[j][m]);
-        }
-        if constexpr (has_lane_mins(Q)) {  // + what W's lanes add * dx * sum(qx), lane by lane
-          const FV sums = load_f(a.lane_sums.data() + row / 4);
-          for (int j = 0; j < NW; ++j) acc[j][m] = fma(mins[j], sums, acc[j][m]);
-        }
-      }
-    }
-  };
-  const int64_t whole = groups_per_step == 2 ? K / per_step * per_step : K;  // steps with every group
-  int64_t k = 0;
-  for (; k < whole; k += per_step) step(k, std::true_type{});
-  if (k < K) step(k, std::false_type{});
-  for (int j = 0; j < NW; ++j)
-    for (int m = 0; m < MX; ++m) res[m][j] = reduce(acc[j][m]);
-}
-
 // Lane c of the result: the exact int32 sum (wrapping, as every int32 step here) of the lanes of
 // chunk c of dp, eight chunks (512 bits: chunk 2v in the low half of dp[v], 2v + 1 in the high).
 inline __m256i chunk_sums8(const IV dp[8 * kChunk / kVecValues]) {
@@ -570,55 +486,82 @@ inline float chunk_total(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-// dot_block for exact_chunks (q8_0): per chunk c and (row of W, row of x) the exact int32 sum of its
-// 32 products (the lanes of dot4 from x's base, as chunk_dot's, summed by chunk_sums8), then one
-// fp32 step into the output's accumulator c % 8:
+// dot_block for exact_chunks: per chunk c and (row of W, row of x) the exact int32 sum of its 32
+// products (the lanes of dot4 from x's base, summed by chunk_sums8), then the fp32
+// steps into the output's accumulator c % 8, in chunk order from zero:
 //   acc[c % 8] = fma(float(sum_c), d_c * dx_c, acc[c % 8])
-// in chunk order from zero (|sum_c| <= 32 * 127 * 127 < 2^24: its conversion is exact), and
-// chunk_total at the end. Each output's fp32 operations are these, whatever NW and MX; quant_panel.h's
-// kernel takes the same ones lane by lane.
+//   acc[c % 8] = fma(float(qsum_c), m_c * dx_c, acc[c % 8])   (q4_1, q5_1: the block's min m times
+//                                                              the chunk's sum of qx)
+// (|sum_c| <= 32 * 127 * 127 < 2^24: the conversions are exact), and chunk_total at the end. Each
+// output's fp32 operations are these, whatever NW and MX; quant_panel.h's kernel takes the same ones
+// lane by lane.
 template <int Q, int NW, int MX>
 void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K,
                      float (*res)[4]) {
   static_assert(MX <= kRowsX && NW <= 4, "res holds kRowsX rows of 4 columns");
   using G = Group<Q>;
-  constexpr int64_t bytes = layout(Q).bytes;
+  constexpr int64_t bytes = layout(Q).bytes, chunk_bytes = bytes * kChunk / layout(Q).values;
+  constexpr bool mins = has_lane_mins(Q);
   constexpr int per_vector = kVecValues / kChunk, vectors = 8 / per_vector;  // eight chunks a step
   const int64_t Kp = a.Kp, chunks = K / kChunk;
   __m256 acc[NW][MX];  // lane r: the chunks c % 8 == r
   for (int j = 0; j < NW; ++j)
     for (int m = 0; m < MX; ++m) acc[j][m] = _mm256_setzero_ps();
-  // Chunks [c0, c0 + n), n = 8 but for the last step (whose missing chunks add 0 * 0: d, dx and the
-  // sums zero there, and an accumulator is never -0).
+  // Eight fp16 values 2-byte fields `at` bytes into each of the n blocks from row (zeros past n).
+  const auto halves = [](const uint8_t* row, int n, int at) {
+    alignas(16) uint16_t h[8] = {};
+    for (int c = 0; c < n; ++c) std::memcpy(&h[c], row + c * bytes + at, sizeof h[c]);
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+  };
+  // Chunks [c0, c0 + n), n = 8 but for the last step (whose missing chunks add 0 * 0: d, m, dx and
+  // the sums zero there, and an accumulator is never -0).
   const auto step = [&](int64_t c0, int n) {
-    if constexpr (NW > 1)  // the next rows' same stretch, as in chunk_dot
+    // With several rows of W: the same stretch of the next NW rows (the next call's, or the next
+    // task's: rows follow one another in memory), a cache line at a time, since the hardware
+    // prefetcher does not run far enough ahead on NW interleaved streams. One row of W is one
+    // sequential stream, which the hardware prefetcher follows at the rate memory delivers.
+    if constexpr (NW > 1)
       for (int j = NW; j < 2 * NW; ++j)
-        for (int64_t at = c0 * bytes; at < (c0 + n) * bytes; at += 64) __builtin_prefetch(w + j * row_bytes + at, 0, 3);
+        for (int64_t at = c0 * chunk_bytes; at < (c0 + n) * chunk_bytes; at += 64)
+          __builtin_prefetch(w + j * row_bytes + at, 0, 3);
     IV u[vectors][NW];
-    __m256 d[NW];
+    __m256 d[NW], mn[NW];  // mn: mins only
     for (int j = 0; j < NW; ++j) {
-      const uint8_t* row = w + j * row_bytes + c0 * bytes;
-      alignas(16) uint16_t h[8] = {};
-      for (int c = 0; c < n; ++c) std::memcpy(&h[c], row + c * bytes, sizeof h[c]);
-      d[j] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
-      for (int v = 0; v < vectors; ++v) {
-        const int c = v * per_vector;
+      const uint8_t* row = w + j * row_bytes + c0 * chunk_bytes;
+      if constexpr (Q == kIQ4_XS) {  // the step is one block (K a multiple of 256: n == 8)
+        const G g(row);
+        d[j] = g.scale8;
+#pragma GCC unroll 8
+        for (int v = 0; v < vectors; ++v) u[v][j] = g.uv(v);
+      } else {
+        d[j] = halves(row, n, 0);
+        if constexpr (mins) mn[j] = halves(row, n, 2);
+        for (int v = 0; v < vectors; ++v) {
+          const int c = v * per_vector;
 #if defined(NANOSERVE_QUANT_ZMM)
-        u[v][j] = c < n ? G::pair_u(row + c * bytes, c + 1 < n ? row + (c + 1) * bytes : nullptr) : izero();
+          u[v][j] = c < n ? G::pair_u(row + c * bytes, c + 1 < n ? row + (c + 1) * bytes : nullptr) : izero();
 #else
-        u[v][j] = c < n ? G(row + c * bytes).u(0) : izero();
+          u[v][j] = c < n ? G(row + c * bytes).u(0) : izero();
 #endif
+        }
       }
     }
     for (int m = 0; m < MX; ++m) {
       const int64_t at = (m0 + m) * Kp + c0 * kChunk;
-      __m256 dx8;
+      __m256 dx8, qsum8 = _mm256_setzero_ps();  // qsum8: mins only
       if (n == 8) {
         dx8 = _mm256_loadu_ps(a.chunk_scale.data() + at / kChunk);
+        if constexpr (mins)
+          qsum8 = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.chunk_sums.data() + at / kChunk)));
       } else {
         alignas(32) float dx[8] = {};
+        alignas(32) int32_t qsum[8] = {};
         std::copy_n(a.chunk_scale.data() + at / kChunk, n, dx);
         dx8 = _mm256_load_ps(dx);
+        if constexpr (mins) {
+          std::copy_n(a.chunk_sums.data() + at / kChunk, n, qsum);
+          qsum8 = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(qsum)));
+        }
       }
       for (int j = 0; j < NW; ++j) {
         IV dp[vectors];
@@ -629,9 +572,10 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
           }
           const IV xq = load_i(a.q.data() + at + v * kVecValues);
           const IV base = load_i(a.base.data() + (at + v * kVecValues) / 4);
-          dp[v] = kSignTrick ? dot4(base, abs8(xq), sign_mul(u[v][j], xq)) : dot4(base, u[v][j], xq);
+          dp[v] = kSignTrick && signed_values(Q) ? dot4(base, abs8(xq), sign_mul(u[v][j], xq)) : dot4(base, u[v][j], xq);
         }
         acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_sums8(dp)), _mm256_mul_ps(d[j], dx8), acc[j][m]);
+        if constexpr (mins) acc[j][m] = _mm256_fmadd_ps(qsum8, _mm256_mul_ps(mn[j], dx8), acc[j][m]);
       }
     }
   };
@@ -647,10 +591,8 @@ template <int Q, int NW, int MX>
 void dot_block(const uint8_t* w, int64_t row_bytes, const Activations& a, int64_t m0, int64_t K, float (*res)[4]) {
   if constexpr (superblock_int(Q))
     superblock_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
-  else if constexpr (exact_chunks(Q))
-    exact_chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
   else
-    chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
+    exact_chunk_dot<Q, NW, MX>(w, row_bytes, a, m0, K, res);
 }
 
 // Output columns [n0, n0 + NW) for rows [m_begin, m_end) of x, up to kRowsX rows of x at a time.
@@ -698,8 +640,7 @@ namespace {
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
-  if constexpr (superblock_int(Q) || exact_chunks(Q))
-    if (!a.pq.empty()) return panel_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
+  if (!a.pq.empty()) return panel_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
   if (M == 1) {
     int64_t n = begin;
     for (float res[1][4]; n < end; ++n) {

@@ -52,7 +52,6 @@ inline FV fma(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
 inline FV mul(FV a, FV b) { return _mm512_mul_ps(a, b); }
 inline FV add(FV a, FV b) { return _mm512_add_ps(a, b); }
 inline FV to_fp32(IV a) { return _mm512_cvtepi32_ps(a); }
-inline float reduce(FV a) { return _mm512_reduce_add_ps(a); }
 inline IV sign_mul(IV, IV) { return IV{}; }  // unused: kSignTrick is false
 inline IV abs8(IV a) { return a; }
 inline IV izero() { return _mm512_setzero_si512(); }
@@ -94,11 +93,6 @@ inline FV fma(FV a, FV b, FV c) { return _mm256_fmadd_ps(a, b, c); }
 inline FV mul(FV a, FV b) { return _mm256_mul_ps(a, b); }
 inline FV add(FV a, FV b) { return _mm256_add_ps(a, b); }
 inline FV to_fp32(IV a) { return _mm256_cvtepi32_ps(a); }
-inline float reduce(FV a) {
-  vec8 v;
-  std::memcpy(&v, &a, sizeof v);
-  return hsum(v);
-}
 inline IV sign_mul(IV w, IV x) { return _mm256_sign_epi8(w, x); }  // w * sign(x), lane by lane
 inline IV abs8(IV a) { return _mm256_abs_epi8(a); }
 inline IV izero() { return _mm256_setzero_si256(); }

@@ -1,21 +1,22 @@
-// The products of the superblock_int formats (q4_k, q5_k, q6_k, q3_k, q2_k) and of exact_chunks (q8_0)
-// with kPanelMinRows rows of x or more: an outer-product micro-kernel in the manner of a GEMM's, where
-// superblock_dot and exact_chunk_dot take one (row of W, row of x) pair at a time.
+// The quantized products with kPanelMinRows rows of x or more, every format (the superblock_int ones,
+// q4_k, q5_k, q6_k, q3_k, q2_k, and exact_chunks, the others): an outer-product micro-kernel in the
+// manner of a GEMM's, where superblock_dot and exact_chunk_dot take one (row of W, row of x) pair at
+// a time.
 //
 // Private to the products' translation units (included by quant_dot.h only, after Activations and
 // superblock_step, which it uses; see quant.cpp for the files' roles). Everything is in the unnamed
 // namespace.
 //
 // Layout. x's rows in groups of kPanelRows, one int32 lane of a vector each (16 rows with 512-bit
-// vectors, 8 with 256; Activations' panel fields, build_panel): for each super-block, 64 vectors,
-// vector i holding values 4i .. 4i + 3 of each row of the group, with each row's unit, k16 and
-// sums16 (exact_chunks: each chunk's dx and -offset * sum of qx) as lanes likewise. W's rows of a
-// task unpacked once (PanelW): each value as a byte, its groups' scales and mins as int32, d and dmin
-// (exact_chunks: the bytes and each chunk's d). dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain AVX2)
-// of a broadcast four bytes of one row of W against a vector of x sums four products into each row's
-// lane: every instruction's products belong to kPanelRows outputs, so the sub-block scales (times
-// each row's k_c) are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not per
-// vector as in superblock_dot, and a chunk's fp32 step is one instruction for kPanelRows outputs.
+// vectors, 8 with 256; Activations' panel fields, build_panel): vector i holding values 4i .. 4i + 3
+// of each row of the group (64 vectors a super-block, 8 a chunk), with each row's unit, k16 and
+// sums16 (exact_chunks: each chunk's dx and sum of qx) as lanes likewise. W's rows of a task
+// unpacked once (PanelW): each value as a byte, its groups' scales and mins as int32, d and dmin
+// (exact_chunks: the bytes, each chunk's d and min). dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain
+// AVX2) of a broadcast four bytes of one row of W against a vector of x sums four products into each
+// row's lane: every instruction's products belong to kPanelRows outputs, so the sub-block scales
+// (times each row's k_c) are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not
+// per vector as in superblock_dot, and a chunk's fp32 step is one instruction for kPanelRows outputs.
 //
 // Invariant (batch invariance): each output's integer terms are exactly superblock_dot's (the same
 // sums of exact products) and its fp32 steps are superblock_step's, lane by lane, in super-block
@@ -40,7 +41,8 @@ constexpr int kBand = 8;  // rows of W per pass of the micro-kernel (raw sums an
 // Rows [0, rows) of W (row_bytes apart) unpacked for panel_block, padded with zero rows to a
 // multiple of kBand: u [rows, K] the unsigned values, s and m [rows, K / 256, 16] each group of 16
 // values' scale and min (IntScales' s16, m16), d and dmin [rows, K / 256]. exact_chunks: u [rows, K]
-// (Group's u: signed on plain AVX2, kSignTrick) and d [rows, K / 32] only.
+// (Group's u: signed values on plain AVX2, kSignTrick), d and (q4_1, q5_1) dmin, the block's min m,
+// [rows, K / 32].
 struct PanelW {
   std::vector<uint8_t> u;
   std::vector<int32_t> s, m;
@@ -60,11 +62,22 @@ void unpack_panel_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K
     const int64_t chunks = K / kChunk;
     p.u.assign(padded * K, 0);
     p.d.assign(padded * chunks, 0.0f);
+    p.dmin.assign(has_lane_mins(Q) ? padded * chunks : 0, 0.0f);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < chunks; ++c) {
-        const uint8_t* block = w + r * row_bytes + c * layout(Q).bytes;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.u.data() + r * K + c * kChunk), Group<Q>(block).u(0));
-        p.d[r * chunks + c] = fp16(block);
+      if constexpr (Q == kIQ4_XS) {  // eight chunks a block, their scales d * ls
+        for (int64_t b = 0; b < K / 256; ++b) {
+          const Group<Q> g(w + r * row_bytes + b * layout(Q).bytes);
+          for (int c = 0; c < 8; ++c)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.u.data() + r * K + b * 256 + c * kChunk), g.u(c));
+          _mm256_storeu_ps(p.d.data() + r * chunks + b * 8, g.scale8);
+        }
+      } else {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const uint8_t* block = w + r * row_bytes + c * layout(Q).bytes;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.u.data() + r * K + c * kChunk), Group<Q>(block).u(0));
+          p.d[r * chunks + c] = fp16(block);
+          if constexpr (has_lane_mins(Q)) p.dmin[r * chunks + c] = fp16(block + 2);
+        }
       }
   } else {
     const int64_t blocks = K / 256;
@@ -156,9 +169,14 @@ void panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp,
 
 // acc[t] (lane l: row kPanelRows grp + l of x) = the outputs of rows t0 + t of W (t < kBand) over all
 // of K, exact_chunks: exact_chunk_dot's steps, its eight accumulators one after the other (the
-// chunks c % 8 == r for r = 0 .. 7, each in chunk order), then chunk_total's sum, lane by lane.
+// chunks c % 8 == r for r = 0 .. 7, each in chunk order), then chunk_total's sum, lane by lane. The
+// offset enters as the raw sums' start, -offset * (the chunk's sum of qx).
 template <int Q>
 void chunk_panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp, int64_t K, FV acc[kBand]) {
+  constexpr bool mins = has_lane_mins(Q);
+  constexpr int offset = offset_of(Q);
+  static_assert(offset == 0 || (offset & (offset - 1)) == 0, "offset * sums as a shift");
+  constexpr int shift = offset == 0 ? 0 : __builtin_ctz(offset);
   const int64_t chunks = K / kChunk, Kp = a.Kp;
   const int64_t at0 = grp * (Kp / kChunk);  // the group's first chunk in punit and psums, over kPanelRows
   const int8_t* xq = a.pq.data() + grp * Kp * kPanelRows;
@@ -166,22 +184,27 @@ void chunk_panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_
   for (int r = 0; r < 8; ++r) {
     for (int t = 0; t < kBand; ++t) part[r][t] = fzero();
     for (int64_t c = r; c < chunks; c += 8) {
+      const IV qsum = load_i(a.psums.data() + (at0 + c) * kPanelRows);
+      const IV start = offset != 0 ? sub32(izero(), slli32(qsum, shift)) : izero();
       IV raw[kBand];
-      const IV start = load_i(a.psums.data() + (at0 + c) * kPanelRows);
       for (int t = 0; t < kBand; ++t) raw[t] = start;
 #pragma GCC unroll 8
       for (int q = 0; q < kChunk / 4; ++q) {
         const IV xv = load_i(xq + (c * kChunk / 4 + q) * kVecValues);
-        const IV ax = abs8(xv);  // (kSignTrick only)
+        const IV ax = abs8(xv);  // (the sign form only)
         for (int t = 0; t < kBand; ++t) {
           int32_t u4;
           std::memcpy(&u4, w.u.data() + (t0 + t) * K + c * kChunk + q * 4, sizeof u4);
-          raw[t] = kSignTrick ? dot4(raw[t], ax, sign_mul(iset1(u4), xv)) : dot4(raw[t], iset1(u4), xv);
+          raw[t] = kSignTrick && signed_values(Q) ? dot4(raw[t], ax, sign_mul(iset1(u4), xv))
+                                                  : dot4(raw[t], iset1(u4), xv);
         }
       }
       const FV dx = load_f(a.punit.data() + (at0 + c) * kPanelRows);
-      for (int t = 0; t < kBand; ++t)
-        part[r][t] = fma(to_fp32(raw[t]), mul(fset1(w.d[(t0 + t) * chunks + c]), dx), part[r][t]);
+      for (int t = 0; t < kBand; ++t) {
+        const int64_t wc = (t0 + t) * chunks + c;
+        part[r][t] = fma(to_fp32(raw[t]), mul(fset1(w.d[wc]), dx), part[r][t]);
+        if constexpr (mins) part[r][t] = fma(to_fp32(qsum), mul(fset1(w.dmin[wc]), dx), part[r][t]);
+      }
     }
   }
   for (int t = 0; t < kBand; ++t)
