@@ -478,6 +478,17 @@ inline __m256i chunk_sums8(const IV dp[8 * kChunk / kVecValues]) {
 #endif
 }
 
+// The low 16 bits of each int32 lane of v, in order.
+inline __m128i low_halves(__m256i v) {
+#if defined(__AVX512VL__)
+  return _mm256_cvtepi32_epi16(v);
+#else
+  const __m256i packed = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+#endif
+}
+
 // The sum of an output's eight chunk accumulators (exact_chunks), in this order:
 //   ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
 inline float chunk_total(__m256 a) {
@@ -507,15 +518,13 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
   __m256 acc[NW][MX];  // lane r: the chunks c % 8 == r
   for (int j = 0; j < NW; ++j)
     for (int m = 0; m < MX; ++m) acc[j][m] = _mm256_setzero_ps();
-  // Eight fp16 values 2-byte fields `at` bytes into each of the n blocks from row (zeros past n).
-  const auto halves = [](const uint8_t* row, int n, int at) {
-    alignas(16) uint16_t h[8] = {};
-    for (int c = 0; c < n; ++c) std::memcpy(&h[c], row + c * bytes + at, sizeof h[c]);
-    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
-  };
-  // Chunks [c0, c0 + n), n = 8 but for the last step (whose missing chunks add 0 * 0: d, m, dx and
-  // the sums zero there, and an accumulator is never -0).
-  const auto step = [&](int64_t c0, int n) {
+  const int tail = static_cast<int>(chunks % 8);
+  const __m256i iota8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // Chunks [c0, c0 + n): n = 8 (whole, a compile-time true: the loops unrolled, no bounds) but for
+  // the last step of a K that is not a multiple of 256, n = tail (whose missing chunks add 0 * 0: d,
+  // m, dx and the sums zero there, and an accumulator is never -0).
+  const auto step = [&](int64_t c0, auto whole) {
+    const int n = whole ? 8 : tail;
     // With several rows of W: the same stretch of the next NW rows (the next call's, or the next
     // task's: rows follow one another in memory), a cache line at a time, since the hardware
     // prefetcher does not run far enough ahead on NW interleaved streams. One row of W is one
@@ -533,9 +542,14 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
         d[j] = g.scale8;
 #pragma GCC unroll 8
         for (int v = 0; v < vectors; ++v) u[v][j] = g.uv(v);
-      } else {
-        d[j] = halves(row, n, 0);
-        if constexpr (mins) mn[j] = halves(row, n, 2);
+      } else {  // the first four bytes of each of the n blocks, d (and q4_1's / q5_1's m) in one gather
+        const __m256i at = _mm256_mullo_epi32(iota8, _mm256_set1_epi32(bytes));
+        const int* base = reinterpret_cast<const int*>(row);
+        const __m256i dm = whole ? _mm256_i32gather_epi32(base, at, 1)
+                                 : _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base, at,
+                                                               _mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota8), 1);
+        d[j] = _mm256_cvtph_ps(low_halves(dm));
+        if constexpr (mins) mn[j] = _mm256_cvtph_ps(low_halves(_mm256_srli_epi32(dm, 16)));
         for (int v = 0; v < vectors; ++v) {
           const int c = v * per_vector;
 #if defined(NANOSERVE_QUANT_ZMM)
@@ -549,7 +563,7 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
     for (int m = 0; m < MX; ++m) {
       const int64_t at = (m0 + m) * Kp + c0 * kChunk;
       __m256 dx8, qsum8 = _mm256_setzero_ps();  // qsum8: mins only
-      if (n == 8) {
+      if (whole) {
         dx8 = _mm256_loadu_ps(a.chunk_scale.data() + at / kChunk);
         if constexpr (mins)
           qsum8 = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.chunk_sums.data() + at / kChunk)));
@@ -580,8 +594,8 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
     }
   };
   int64_t c0 = 0;
-  for (; c0 + 8 <= chunks; c0 += 8) step(c0, 8);
-  if (c0 < chunks) step(c0, static_cast<int>(chunks - c0));
+  for (; c0 + 8 <= chunks; c0 += 8) step(c0, std::true_type{});
+  if (c0 < chunks) step(c0, std::false_type{});
   for (int j = 0; j < NW; ++j)
     for (int m = 0; m < MX; ++m) res[m][j] = chunk_total(acc[j][m]);
 }
