@@ -27,7 +27,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,19 @@ def _body(cfg: LoadConfig, model: str, conv: Conversation, turn: int, replies: l
     return body
 
 
+async def sse_lines(r: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an SSE body, split at line feeds only (a trailing carriage return dropped), as the
+    format has them. httpx's aiter_lines also splits at U+2028, U+2029, U+0085 and the like, which a
+    server may leave raw inside an event's JSON string, and would cut the event in two."""
+    partial = b""
+    async for data in r.aiter_bytes():
+        *lines, partial = (partial + data).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if partial:
+        yield partial.rstrip(b"\r").decode()
+
+
 async def send(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any],
                count: Callable[[str], int]) -> RequestResult:
     """Streams one request and times it; `count` counts tokens when the server sends no usage."""
@@ -140,7 +153,7 @@ async def send(client: httpx.AsyncClient, cfg: LoadConfig, body: dict[str, Any],
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -4,17 +4,26 @@ llama-server where the cache holds its build (absent: that test skips and says w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import gguf
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from nanoserve.bench.llama_server import built_binary, server_command
+from nanoserve.bench.serve import LoadConfig, send
 from nanoserve.bench.served import LLAMA_SERVER, NANOSERVE, ModelFile, ServedConfig, run_served
 from nanoserve.cli import main
 from nanoserve.model.checkpoint.gguf_export import export_gguf
+from nanoserve.server.http_server import ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +122,27 @@ def test_against_llama_server(demo_gguf: Path, tmp_path: Path, capsys: pytest.Ca
     _check_runs(json.loads(out.read_text()), (NANOSERVE, LLAMA_SERVER))
     assert "nanoserve/llama-server" in capsys.readouterr().out
     assert (tmp_path / "served.png").stat().st_size > 0
+
+
+def test_the_client_reads_raw_unicode_line_separators_inside_events() -> None:
+    """A server may write U+2028 / U+2029 / U+0085 raw inside an event's JSON (valid JSON; nanoserve
+    escapes them, others need not): the benchmark's client splits the stream at line feeds only, so
+    such a request completes with its text instead of failing with a JSONDecodeError."""
+    text = ["a\u2028b", "c\u2029d", "e\x85f"]
+
+    async def completions(request: Request) -> StreamingResponse:
+        async def events() -> AsyncIterator[bytes]:
+            for piece in text:
+                payload = {"choices": [{"index": 0, "text": piece, "finish_reason": None}]}
+                yield b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\r\n\r\n"
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    with ServerThread(app) as server:
+        async def one() -> str:
+            async with httpx.AsyncClient(base_url=server.url) as client:
+                res = await send(client, LoadConfig(url=server.url, label="raw"), {"prompt": "x"}, len)
+            assert not res.error, res.error
+            return res.text
+        assert asyncio.run(one()) == "".join(text)
