@@ -263,9 +263,9 @@ inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_e
 inline __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
 
 // Whether a format's values are signed bytes looked up or stored as they are (its u on plain AVX2,
-// kSignTrick, where u + 128 would saturate vpmaddubsw), the offset each format's u carries (folded
-// into the activation rows), whether its values have a min (has_mins: q4_1, q5_1 and the k-quants
-// q4_k, q5_k, q2_k) and whether that min is the 32-value block's own (has_lane_mins: q4_1's and
+// kSignTrick, where u + 128 would saturate vpmaddubsw), the offset each format's u carries (taken
+// off as offset * the activations' sums), whether its values have a min (has_mins: q4_1, q5_1 and
+// the k-quants q4_k, q5_k, q2_k) and whether that min is the 32-value block's own (has_lane_mins: q4_1's and
 // q5_1's m, what the block adds to each value, times the chunk's sum of qx in exact_chunk_dot; the
 // k-quants' mins are superblock_dot's).
 constexpr bool signed_values(int qtype) { return qtype == kQ8_0 || qtype == kIQ4_NL || qtype == kIQ4_XS; }

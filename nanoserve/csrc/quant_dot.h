@@ -9,9 +9,8 @@
 // Activations are quantized per product, row by row, in blocks of 32: dx = max|x| / 127, qx =
 // round(x / dx) in [-127, 127]. A 32-value stretch ("chunk") of a row of W then contributes
 //   sum_i w_i x_i ~= dx * (scale * (sum_i u_i qx_i - offset * sum_i qx_i) + m * sum_i qx_i)
-// where the integer sums are exact. Per activation row we keep: qx (int8), -offset * (each 4-value
-// lane's sum of qx) (int32: the dot product instruction starts from it, so the offset costs no
-// instruction), and each chunk's dx and sum of qx.
+// where the integer sums are exact. Per activation row we keep qx (int8) and each chunk's dx and
+// sum of qx (the offset's term, offset * sum of qx, a shift: every offset is a power of two).
 //
 // Every format but the k-quants below (exact_chunks: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs)
 // sums each chunk's products exactly in int32 and takes the sum into fp32 once (q4_1, q5_1: the
@@ -82,8 +81,7 @@ struct Activations {
   int qtype;  // the format of the W these rows were quantized for
   int64_t Kp;
   std::vector<int8_t> q;      // [M, Kp]
-  std::vector<int32_t> base;  // [M, Kp / 4]: -offset * the lane's sum of qx
-  std::vector<float> chunk_scale;  // [M, Kp / 32]: each chunk's dx (its lanes' scale, once)
+  std::vector<float> chunk_scale;  // [M, Kp / 32]: each chunk's dx
   std::vector<int32_t> chunk_sums;  // [M, Kp / 32]: each chunk's sum of qx
   // The same rows quantized for the superblock_int formats, chunk c of a super-block with
   // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled for those formats only (then
@@ -140,7 +138,6 @@ inline void size_activations(Activations& a, int64_t M, int64_t Kp, int qtype) {
   a.Kp = Kp;
   const int64_t chunk_rows = superblock_int(qtype) ? 0 : M, block_rows = M - chunk_rows;
   a.q.assign(chunk_rows * Kp, 0);
-  a.base.assign(chunk_rows * Kp / 4, 0);
   a.chunk_scale.assign(chunk_rows * Kp / kChunk, 0.0f);
   a.chunk_sums.assign(chunk_rows * Kp / kChunk, 0);
   a.q256.assign(block_rows * Kp, 0);
@@ -208,8 +205,6 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
       __m256i h = _mm256_hadd_epi32(lanes, lanes);  // twice: lane 0 the sum of lanes 0-3, lane 4 of 4-7
       h = _mm256_hadd_epi32(h, h);
       a.chunk_sums[at / kChunk] = _mm256_extract_epi32(h, 0) + _mm256_extract_epi32(h, 4);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.base.data() + at / 4),
-                          _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-offset_of(qtype))));
     }
 }
 
@@ -272,7 +267,7 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int qtyp
 }
 
 // out = rows `rows[0 .. n)` of in, in that order, every field but the panel's (a row of each field is a fixed number
-// of elements: Kp for q and q256, Kp / 4 for the lane fields, Kp / 256 and Kp / 16 for unit, k16 and
+// of elements: Kp for q and q256, Kp / 32 for the chunk fields, Kp / 256 and Kp / 16 for unit, k16 and
 // sums16; the super-block fields empty when in's are).
 inline void gather_activations(const Activations& in, const int64_t* rows, int64_t n, Activations& out) {
   out.qtype = in.qtype;
@@ -289,7 +284,6 @@ inline void gather_activations(const Activations& in, const int64_t* rows, int64
   };
   const int64_t Kp = in.Kp;
   take(in.q, out.q, Kp);
-  take(in.base, out.base, Kp / 4);
   take(in.chunk_scale, out.chunk_scale, Kp / kChunk);
   take(in.chunk_sums, out.chunk_sums, Kp / kChunk);
   take(in.q256, out.q256, Kp);
@@ -498,8 +492,8 @@ inline float chunk_total(__m256 a) {
 }
 
 // dot_block for exact_chunks: per chunk c and (row of W, row of x) the exact int32 sum of its 32
-// products (the lanes of dot4 from x's base, summed by chunk_sums8), then the fp32
-// steps into the output's accumulator c % 8, in chunk order from zero:
+// products (the lanes of dot4 summed by chunk_sums8, less offset * the chunk's sum of qx), then the
+// fp32 steps into the output's accumulator c % 8, in chunk order from zero:
 //   acc[c % 8] = fma(float(sum_c), d_c * dx_c, acc[c % 8])
 //   acc[c % 8] = fma(float(qsum_c), m_c * dx_c, acc[c % 8])   (q4_1, q5_1: the block's min m times
 //                                                              the chunk's sum of qx)
@@ -513,6 +507,9 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
   using G = Group<Q>;
   constexpr int64_t bytes = layout(Q).bytes, chunk_bytes = bytes * kChunk / layout(Q).values;
   constexpr bool mins = has_lane_mins(Q);
+  constexpr int offset = offset_of(Q);
+  static_assert(offset == 0 || (offset & (offset - 1)) == 0, "offset * sums as a shift");
+  constexpr int shift = offset == 0 ? 0 : __builtin_ctz(offset);
   constexpr int per_vector = kVecValues / kChunk, vectors = 8 / per_vector;  // eight chunks a step
   const int64_t Kp = a.Kp, chunks = K / kChunk;
   __m256 acc[NW][MX];  // lane r: the chunks c % 8 == r
@@ -562,21 +559,20 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
     }
     for (int m = 0; m < MX; ++m) {
       const int64_t at = (m0 + m) * Kp + c0 * kChunk;
-      __m256 dx8, qsum8 = _mm256_setzero_ps();  // qsum8: mins only
+      __m256 dx8;
+      __m256i qsum;  // each chunk's sum of qx
       if (whole) {
         dx8 = _mm256_loadu_ps(a.chunk_scale.data() + at / kChunk);
-        if constexpr (mins)
-          qsum8 = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.chunk_sums.data() + at / kChunk)));
+        qsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.chunk_sums.data() + at / kChunk));
       } else {
         alignas(32) float dx[8] = {};
-        alignas(32) int32_t qsum[8] = {};
+        alignas(32) int32_t sums[8] = {};
         std::copy_n(a.chunk_scale.data() + at / kChunk, n, dx);
+        std::copy_n(a.chunk_sums.data() + at / kChunk, n, sums);
         dx8 = _mm256_load_ps(dx);
-        if constexpr (mins) {
-          std::copy_n(a.chunk_sums.data() + at / kChunk, n, qsum);
-          qsum8 = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(qsum)));
-        }
+        qsum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums));
       }
+      const __m256i off = _mm256_slli_epi32(qsum, shift);  // offset * sum of qx (offset 0: unused)
       for (int j = 0; j < NW; ++j) {
         IV dp[vectors];
         for (int v = 0; v < vectors; ++v) {
@@ -585,11 +581,13 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
             continue;
           }
           const IV xq = load_i(a.q.data() + at + v * kVecValues);
-          const IV base = load_i(a.base.data() + (at + v * kVecValues) / 4);
-          dp[v] = kSignTrick && signed_values(Q) ? dot4(base, abs8(xq), sign_mul(u[v][j], xq)) : dot4(base, u[v][j], xq);
+          dp[v] = kSignTrick && signed_values(Q) ? dot4(izero(), abs8(xq), sign_mul(u[v][j], xq))
+                                                 : dot4(izero(), u[v][j], xq);
         }
-        acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk_sums8(dp)), _mm256_mul_ps(d[j], dx8), acc[j][m]);
-        if constexpr (mins) acc[j][m] = _mm256_fmadd_ps(qsum8, _mm256_mul_ps(mn[j], dx8), acc[j][m]);
+        __m256i sums = chunk_sums8(dp);
+        if constexpr (offset != 0) sums = _mm256_sub_epi32(sums, off);
+        acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d[j], dx8), acc[j][m]);
+        if constexpr (mins) acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qsum), _mm256_mul_ps(mn[j], dx8), acc[j][m]);
       }
     }
   };
