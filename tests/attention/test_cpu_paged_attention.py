@@ -199,6 +199,25 @@ def test_tiles_shared_among_threads_give_identical_results(backend):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("specs", [[(300, 1)], [(40, 9)], [(90, 1), (33, 17)]])
+def test_kv_heads_split_among_threads_give_identical_results(backend, dtype, specs):
+    """A single decode (one tile) has its KV heads split among the threads, into as many ranges as
+    the thread count asks (here 1 to 5 of 8 heads, uneven ranges included): bit for bit what one
+    thread computes, and dense attention's values."""
+    q, k, v, cache, meta = _inputs(specs, 16, 16, 8, 64, dtype, seed=13)
+    backend.kernel.write_kv(k, v, cache, meta.slot_mapping)
+    outs = []
+    for threads in (1, 2, 3, 4, 5):
+        out = torch.full_like(q, float("nan"))
+        backend.kernel(q, cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, threads)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    expected = dense_attention(q.double(), cache.double(), meta, 0.125, 16, 8)
+    torch.testing.assert_close(outs[0].double(), expected, atol=tol, rtol=tol)
+
+
 def test_selection(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     cpu = torch.device("cpu")
