@@ -181,18 +181,21 @@ class Server:
 
 
 def _server_argv(cfg: ServedConfig, label: str, gguf: Path, port: int,
-                 binary: Path | None) -> tuple[list[str], dict[str, str]]:
+                 binary: Path | None) -> tuple[list[str], dict[str, str], Path | None]:
+    """The server's command line, environment and working directory. A nanoserve tree's server runs
+    in the tree itself: `python -m` puts the working directory first on the module path, ahead of
+    PYTHONPATH, so from anywhere else another checkout's nanoserve could be the one imported."""
     slots = max(cfg.concurrency)
     if label == LLAMA_SERVER:
         assert binary is not None
         argv = server_command(binary, gguf, port, slots, cfg.slot_context, cfg.threads, cpu_has_amx())
-        return argv, dict(os.environ)
-    tree = cfg.nanoserve_trees[label]
+        return argv, dict(os.environ), None
+    tree = cfg.nanoserve_trees[label].resolve()
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    argv = [sys.executable, "-m", "nanoserve.cli", "--log-level", "WARNING", "serve", str(gguf), "--host", "127.0.0.1",
-            "--port", str(port), "--threads", str(cfg.threads), "--max-num-seqs", str(slots),
+    argv = [sys.executable, "-m", "nanoserve.cli", "--log-level", "WARNING", "serve", str(gguf.resolve()), "--host",
+            "127.0.0.1", "--port", str(port), "--threads", str(cfg.threads), "--max-num-seqs", str(slots),
             "--max-model-len", str(cfg.slot_context), *cfg.nanoserve_flags.get(label, ())]
-    return argv, env
+    return argv, env, tree
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -236,10 +239,10 @@ def serving(cfg: ServedConfig, gguf: Path, binary: Path | None, log_dir: Path) -
     try:
         for i, label in enumerate(cfg.servers):
             port = cfg.port + i
-            argv, env = _server_argv(cfg, label, gguf, port, binary)
+            argv, env, cwd = _server_argv(cfg, label, gguf, port, binary)
             log = log_dir / f"{gguf.stem}-{label}.log"
             with log.open("wb") as out:
-                proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
             servers.append(Server(label, f"http://127.0.0.1:{port}", proc, log))
             _wait_healthy(servers[-1], _READY_TIMEOUT_S)
         yield servers

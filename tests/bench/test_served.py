@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from starlette.routing import Route
 
 from nanoserve.bench.llama_server import built_binary, server_command
 from nanoserve.bench.serve import LoadConfig, send
-from nanoserve.bench.served import LLAMA_SERVER, NANOSERVE, ModelFile, ServedConfig, run_served
+from nanoserve.bench.served import LLAMA_SERVER, NANOSERVE, ModelFile, ServedConfig, _server_argv, run_served
 from nanoserve.cli import main
 from nanoserve.model.checkpoint.gguf_export import export_gguf
 from nanoserve.server.http_server import ServerThread
@@ -85,6 +86,21 @@ def test_nanoserve_half(demo_gguf: Path, tmp_path: Path) -> None:
     assert "nanoserve tok/s" in report.format() and "/llama-server" not in report.format()
     with socket.socket() as s:  # the server was stopped: its port is free again
         s.bind(("127.0.0.1", cfg.port))
+
+
+def test_each_tree_serves_its_own_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A labelled tree's server imports that tree's nanoserve, even when the benchmark runs from
+    inside another checkout (`python -m` puts the working directory ahead of PYTHONPATH). The stand-in
+    tree's `nanoserve.cli` only prints where it was imported from."""
+    tree = tmp_path / "other-tree"
+    (tree / "nanoserve").mkdir(parents=True)
+    (tree / "nanoserve" / "__init__.py").write_text("")
+    (tree / "nanoserve" / "cli.py").write_text("print(__file__)\n")
+    monkeypatch.chdir(Path(__file__).parents[2])  # this checkout, whose nanoserve is importable from here
+    cfg = ServedConfig(models=("m.gguf",), nanoserve_trees={"other": tree}, servers=("other",), roofline=False)
+    argv, env, cwd = _server_argv(cfg, "other", Path("m.gguf"), 9000, None)
+    ran = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, check=True, timeout=60)
+    assert Path(ran.stdout.strip()).resolve() == (tree / "nanoserve" / "cli.py").resolve()
 
 
 def test_llama_server_command_line(tmp_path: Path) -> None:
