@@ -160,7 +160,8 @@ inline void load_query(const uint16_t* src, float scale, vec8* dst, int nvec) {
 constexpr int64_t kTileTokens = 16;
 
 // Query rows per KV head (a tile's tokens times the heads sharing it) from which a bfloat16 block's
-// keys and values are widened to float once into a buffer; below, at each use.
+// values (and keys, without bf16 scores) are widened to float once into a buffer; below, at each
+// use (a widening load and a shift, against a store and a load per use from the buffer).
 constexpr int64_t kWidenRows = 4;
 
 // Attends the query rows of new tokens [tok_begin, tok_end) of one sequence and KV heads [kv_begin,
