@@ -1,5 +1,6 @@
 // Vector helpers shared by nanoserve's CPU kernels (GCC vector extensions: AVX on x86, pairs of
-// NEON registers on ARM), and the two element types the kernels take: float and bfloat16, the
+// NEON registers on ARM; one AVX2 intrinsic where GCC's generic form compiles poorly, the bfloat16
+// load8), and the two element types the kernels take: float and bfloat16, the
 // latter as its raw 16 bits (uint16_t). No -ffast-math anywhere: in a shared library it would switch
 // the whole process to flush-to-zero, so the few transcendental functions are written out here.
 
