@@ -10,9 +10,10 @@
 // Layout. x's rows in groups of kPanelRows, one int32 lane of a vector each (16 rows with 512-bit
 // vectors, 8 with 256; Activations' panel fields, build_panel): vector i holding values 4i .. 4i + 3
 // of each row of the group (64 vectors a super-block, 8 a chunk), with each row's unit, k16 and
-// sums16 (exact_chunks: each chunk's dx and sum of qx) as lanes likewise. W's rows of a task
-// unpacked once (PanelW): each value as a byte, its groups' scales and mins as int32, d and dmin
-// (exact_chunks: the bytes, each chunk's d and min). dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain
+// sums16 (exact_chunks: each chunk's dx and sum of qx) as lanes likewise. W's rows unpacked once
+// (PanelW): each value as a byte, its groups' scales and mins as int32, d and dmin (exact_chunks: the
+// bytes, each chunk's d and min); band by band, just before use, when all of x fits one block (a
+// decode step's rows), else a task's rows at once. dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain
 // AVX2) of a broadcast four bytes of one row of W against a vector of x sums four products into each
 // row's lane: every instruction's products belong to kPanelRows outputs, so the sub-block scales
 // (times each row's k_c) are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not
@@ -37,6 +38,8 @@
 namespace {
 
 constexpr int kBand = 8;  // rows of W per pass of the micro-kernel (raw sums and two terms: 3 x 8 accumulators)
+// Unpacking band by band, panel_range prefetches the rows this many bands ahead into L2.
+constexpr int kPrefetchBands = 2;
 
 // Rows [0, rows) of W (row_bytes apart) unpacked for panel_block, padded with zero rows to a
 // multiple of kBand: u [rows, K] the unsigned values, s and m [rows, K / 256, 16] each group of 16
@@ -55,14 +58,23 @@ inline void store_int32(int32_t* p, __m256i v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8), _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
 }
 
+// v sized for padded rows of n values, rows [rows, padded) zero; the rows before keep whatever they
+// held (unpack_panel_w writes them all), so a buffer reused band after band is neither reallocated nor
+// cleared.
+template <typename T>
+void sized(std::vector<T>& v, int64_t rows, int64_t padded, int64_t n) {
+  v.resize(padded * n);
+  std::fill(v.begin() + rows * n, v.end(), T{});
+}
+
 template <int Q>
 void unpack_panel_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, PanelW& p) {
   const int64_t padded = (rows + kBand - 1) / kBand * kBand;
   if constexpr (exact_chunks(Q)) {
     const int64_t chunks = K / kChunk;
-    p.u.assign(padded * K, 0);
-    p.d.assign(padded * chunks, 0.0f);
-    p.dmin.assign(has_lane_mins(Q) ? padded * chunks : 0, 0.0f);
+    sized(p.u, rows, padded, K);
+    sized(p.d, rows, padded, chunks);
+    sized(p.dmin, has_lane_mins(Q) ? rows : 0, has_lane_mins(Q) ? padded : 0, chunks);
     for (int64_t r = 0; r < rows; ++r)
       if constexpr (Q == kIQ4_XS) {  // eight chunks a block, their scales d * ls
         for (int64_t b = 0; b < K / 256; ++b) {
@@ -81,11 +93,11 @@ void unpack_panel_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K
       }
   } else {
     const int64_t blocks = K / 256;
-    p.u.assign(padded * K, 0);
-    p.s.assign(padded * blocks * 16, 0);
-    p.m.assign(padded * blocks * 16, 0);
-    p.d.assign(padded * blocks, 0.0f);
-    p.dmin.assign(padded * blocks, 0.0f);
+    sized(p.u, rows, padded, K);
+    sized(p.s, rows, padded, blocks * 16);
+    sized(p.m, rows, padded, blocks * 16);
+    sized(p.d, rows, padded, blocks);
+    sized(p.dmin, rows, padded, blocks);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = w + r * row_bytes + b * layout(Q).bytes;
@@ -212,23 +224,36 @@ void chunk_panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_
                  add(add(part[1][t], part[5][t]), add(part[3][t], part[7][t])));
 }
 
-// Output columns [begin, end) for all M rows of x (a.pq built): W's rows of the range unpacked once;
-// x's groups in blocks that stay in L2 beside them, each block against every band of kBand rows.
+// Output columns [begin, end) for all M rows of x (a.pq built): x's groups in blocks that stay in L2,
+// each block against every band of kBand rows of W, each row of W unpacked once.
 template <int Q, typename T, typename O>
 void panel_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                  int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
-  PanelW pw;
-  unpack_panel_w<Q>(w + begin * row_bytes, row_bytes, end - begin, K, pw);
   const int64_t groups = (M + kPanelRows - 1) / kPanelRows;
   const int64_t per_block = std::clamp<int64_t>((256 << 10) / (kPanelRows * K), 1, 8);
+  // With x's groups all in one block, each band of W's rows is unpacked just before its one use, into
+  // a buffer of kBand rows that stays in L1 / L2; with several blocks, the range's rows once, read
+  // again by every block.
+  const bool by_band = groups <= per_block;
+  PanelW pw;
+  if (!by_band) unpack_panel_w<Q>(w + begin * row_bytes, row_bytes, end - begin, K, pw);
   for (int64_t g0 = 0; g0 < groups; g0 += per_block)
-    for (int64_t t0 = 0; t0 < end - begin; t0 += kBand)
+    for (int64_t t0 = 0; t0 < end - begin; t0 += kBand) {
+      if (by_band) {
+        const int64_t n = std::min<int64_t>(kBand, end - begin - t0);
+        unpack_panel_w<Q>(w + (begin + t0) * row_bytes, row_bytes, n, K, pw);
+        // W's rows follow one another in memory: the band kPrefetchBands on, into L2 meanwhile.
+        const int64_t ahead = t0 + kPrefetchBands * kBand;
+        const uint8_t* next = w + (begin + ahead) * row_bytes;
+        const int64_t next_bytes = std::clamp<int64_t>(end - begin - ahead, 0, kBand) * row_bytes;
+        for (int64_t at = 0; at < next_bytes; at += 64) __builtin_prefetch(next + at, 0, 2);
+      }
       for (int64_t grp = g0; grp < std::min(groups, g0 + per_block); ++grp) {
         FV acc[kBand];
         if constexpr (exact_chunks(Q))
-          chunk_panel_block<Q>(pw, t0, a, grp, K, acc);
+          chunk_panel_block<Q>(pw, by_band ? 0 : t0, a, grp, K, acc);
         else
-          panel_block<Q>(pw, t0, a, grp, K, acc);
+          panel_block<Q>(pw, by_band ? 0 : t0, a, grp, K, acc);
         float v[kBand][kPanelRows];
         for (int t = 0; t < kBand; ++t) store_f(v[t], acc[t]);
         const int64_t n0 = begin + t0, rows = std::min<int64_t>(kPanelRows, M - grp * kPanelRows);
@@ -247,6 +272,7 @@ void panel_range(const uint8_t* w, int64_t row_bytes, const Activations& a, cons
                          out + (grp * kPanelRows + l) * out_stride + n0 + t);
         }
       }
+    }
 }
 
 }  // namespace

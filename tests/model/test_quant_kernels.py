@@ -220,22 +220,23 @@ def test_products_are_the_same_bits_on_every_vector_path(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_s_rows_do_not_depend_on_the_other_rows(fmt: str, dtype: torch.dtype) -> None:
     """Batch invariance for each block format: CpuLayerOps.linear and .logits give a row the same
-    bits alone, among 3 or 33 rows or among 70 (one path for any number of rows), and the fp32
-    logits rounded to the dtype are linear's output. (The 32-value formats: 17 blocks, an odd count
-    with a tail past every whole step.)"""
+    bits alone, among 3, 33 or 128 rows or among 140 (one path for any number of rows; quant_panel.h
+    unpacks W band by band up to 128 rows of x at this K, from 129 once for all of x's blocks), and
+    the fp32 logits rounded to the dtype are linear's output. (The 32-value formats: 17 blocks, an
+    odd count with a tail past every whole step.)"""
     lib = load_cpu_kernels()
     assert lib is not None
     ops = CpuLayerOps(lib)
     rng = np.random.default_rng(11 + FORMATS.index(fmt))
     k = 512 if BLOCK_FORMATS[fmt].block_size == 256 else 544
     w = BlockQuantWeight(fmt, torch.from_numpy(random_blocks(fmt, 67, k, rng)), k, dtype)
-    rows = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32)).to(dtype)
+    rows = torch.from_numpy(rng.standard_normal((140, k)).astype(np.float32)).to(dtype)
     whole, logits = ops.linear(rows, w), ops.logits(rows, w)
     assert logits.dtype == torch.float32
-    for m in (1, 3, 33):
+    for m in (1, 3, 33, 128):
         assert torch.equal(ops.linear(rows[:m], w), whole[:m]), m
         assert torch.equal(ops.logits(rows[:m], w), logits[:m]), m
-    assert torch.equal(torch.cat([ops.linear(rows[i:i + 1], w) for i in range(70)]), whole)
+    assert torch.equal(torch.cat([ops.linear(rows[i:i + 1], w) for i in range(140)]), whole)
     assert torch.equal(logits.to(dtype), whole)
 
 
