@@ -128,10 +128,35 @@ template <typename T>
 constexpr bool kBf16Scores = false;
 #endif
 
-// acc = acc * rescale + sum_t p[t] v[t] for t < n, eight vectors of the row at a time kept in
-// registers across the block's values (eight independent FMA chains).
+// acc = acc * rescale + sum_t p[t] v[t] for t < n, each value's operations the same on every path
+// (the product by rescale, then one FMA per t in order): with AVX-512 in vectors of 16 floats, eight
+// of the row at a time kept in registers across the block's values (half the instructions of the
+// vectors of eight, the same arithmetic); else eight vectors of eight at a time.
 template <typename E, int NVEC>
 inline void accumulate_values(vec8* acc, const Rows<E, NVEC>& v, const float* p, float rescale, int n) {
+#if defined(__AVX512F__)
+  static_assert(NVEC % 2 == 0, "head sizes are multiples of 16");
+  constexpr int kWide = NVEC / 2, kChunk = kWide < 8 ? kWide : 8;  // vectors of 16 a row, a pass's
+  static_assert(kWide % kChunk == 0, "head sizes are 32 or multiples of 64");
+  const auto at = [&](int t, int i) {  // values 16i .. 16i + 15 of row t as floats
+    const E* src = v.base + t * v.stride + i * 16;
+    if constexpr (std::is_same_v<E, float>)
+      return _mm512_loadu_ps(src);
+    else  // bfloat16: the bits shifted into the upper half of each float
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
+  };
+  float* out = reinterpret_cast<float*>(acc);
+  for (int j = 0; j < kWide; j += kChunk) {
+    __m512 c[kChunk];
+    for (int i = 0; i < kChunk; ++i) c[i] = _mm512_mul_ps(_mm512_loadu_ps(out + (j + i) * 16), _mm512_set1_ps(rescale));
+    for (int t = 0; t < n; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      for (int i = 0; i < kChunk; ++i) c[i] = _mm512_fmadd_ps(pt, at(t, j + i), c[i]);
+    }
+    for (int i = 0; i < kChunk; ++i) _mm512_storeu_ps(out + (j + i) * 16, c[i]);
+  }
+#else
   constexpr int kChunk = NVEC < 8 ? NVEC : 8;
   static_assert(NVEC % kChunk == 0, "head sizes are 32 or multiples of 64");
   for (int j = 0; j < NVEC; j += kChunk) {
@@ -141,6 +166,7 @@ inline void accumulate_values(vec8* acc, const Rows<E, NVEC>& v, const float* p,
       for (int i = 0; i < kChunk; ++i) c[i] += p[t] * v.at(t, j + i);
     for (int i = 0; i < kChunk; ++i) acc[j + i] = c[i];
   }
+#endif
 }
 
 template <typename T>
@@ -152,6 +178,15 @@ inline void load_query(const float* src, float scale, vec8* dst, int nvec) {
 template <>
 inline void load_query(const uint16_t* src, float scale, vec8* dst, int nvec) {
   for (int j = 0; j < nvec; ++j) dst[j] = load8(src + j * kLanes) * scale;
+}
+
+// n rows of `bytes` bytes, `stride` elements of T apart from p, prefetched for reading into the cache
+// level that Locality names (__builtin_prefetch's: 3 L1, 2 L2).
+template <int Locality, typename T>
+inline void prefetch_rows(const T* p, int64_t stride, int64_t n, int64_t bytes) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(p + t * stride) + off, 0, Locality);
 }
 
 // New tokens per tile. 16 tokens of 4 query heads of 64 keep a tile's queries and
@@ -182,7 +217,10 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
   const int64_t v_plane = num_blocks * block_size * num_kv_heads * head_dim;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_elems = block_size * token_stride;
-  const int64_t span_bytes = (kv_end - kv_begin) * head_dim * static_cast<int64_t>(sizeof(T));  // a token's heads
+  const int64_t head_bytes = head_dim * static_cast<int64_t>(sizeof(T));  // a token's K (or V) of one head
+  // Whether values are read from the cache at each use (float, or bfloat16 with few rows a KV head),
+  // not widened into a buffer first.
+  const bool in_place_values = std::is_same_v<T, float> || tile_len * group < kWidenRows;
 
   // Each row's query: its head_dim values as stored (bf16 scores; the scale enters each score), else
   // NVEC vectors of float times scale.
@@ -205,20 +243,21 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
   // Through the block of the last key the tile's last token sees; none for an empty sequence.
   const int64_t nblk = seq_len == 0 ? 0 : (first_limit + tok_end - 1) / block_size + 1;
   for (int64_t b = 0; b < nblk; ++b) {
-    if (b + 1 < nblk) {
-      const T* next = cache + table[b + 1] * block_elems + kv_begin * head_dim;
-      for (int64_t t = 0; t < block_size; ++t) {
-        const char* next_k = reinterpret_cast<const char*>(next + t * token_stride);
-        const char* next_v = reinterpret_cast<const char*>(next + v_plane + t * token_stride);
-        for (int64_t off = 0; off < span_bytes; off += 64) {  // into L2: a block's K and V outsize L1
-          __builtin_prefetch(next_k + off, 0, 2);
-          __builtin_prefetch(next_v + off, 0, 2);
-        }
-      }
-    }
     const int64_t first = b * block_size;
     const int n = static_cast<int>(std::min<int64_t>(block_size, seq_len - first));
     for (int64_t h = kv_begin; h < kv_end; ++h) {
+      const T* kb = cache + table[b] * block_elems + h * head_dim;
+      const T* vb = kb + v_plane;
+      // Prefetched a head at a time (a whole block's lines for every head at once stall the core on
+      // its outstanding misses): the next block's K and V of this head into L2 (a block's K and V
+      // outsize L1); and this block's values of this head into L1 while its scores are computed, when
+      // they are read in place.
+      if (b + 1 < nblk) {
+        const T* next = cache + table[b + 1] * block_elems + h * head_dim;
+        prefetch_rows<2>(next, token_stride, block_size, head_bytes);
+        prefetch_rows<2>(next + v_plane, token_stride, block_size, head_bytes);
+      }
+      if (in_place_values) prefetch_rows<3>(vb, token_stride, n, head_bytes);
       // The tile's rows of KV head h against its keys and values in this block.
       const auto attend_head = [&](const auto& keys, const auto& values) {
         for (int64_t tok = 0; tok < tile_len; ++tok) {
@@ -250,14 +289,12 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
           }
         }
       };
-      const T* kb = cache + table[b] * block_elems + h * head_dim;
-      const T* vb = kb + v_plane;
       if constexpr (std::is_same_v<T, float>) {
         attend_head(block_rows<NVEC>(kb, token_stride, n, nullptr), block_rows<NVEC>(vb, token_stride, n, nullptr));
       } else {
         // bfloat16: keys in place for bf16 scores; otherwise keys and values widened once into
         // buffers when enough rows use them, else at each use.
-        const bool buffered = tile_len * group >= kWidenRows;
+        const bool buffered = !in_place_values;
         const Rows<uint16_t, NVEC> k_in_place{kb, token_stride}, v_in_place{vb, token_stride};
         if constexpr (kBf16Scores<T>) {
           if (buffered)
