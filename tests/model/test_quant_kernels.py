@@ -221,9 +221,10 @@ def test_products_are_the_same_bits_on_every_vector_path(fmt: str) -> None:
 def test_every_format_s_rows_do_not_depend_on_the_other_rows(fmt: str, dtype: torch.dtype) -> None:
     """Batch invariance for each block format: CpuLayerOps.linear and .logits give a row the same
     bits alone, among 3, 33 or 128 rows or among 140 (one path for any number of rows; quant_panel.h
-    unpacks W band by band up to 128 rows of x at this K, from 129 once for all of x's blocks), and
-    the fp32 logits rounded to the dtype are linear's output. (The 32-value formats: 17 blocks, an
-    odd count with a tail past every whole step.)"""
+    unpacks W band by band while x's rows fit one block of its kernel, at this K up to 128 rows with
+    512-bit vectors and 64 with 256, and once for all of x's blocks past that), and the fp32 logits
+    rounded to the dtype are linear's output. (The 32-value formats: 17 blocks, an odd count with a
+    tail past every whole step.)"""
     lib = load_cpu_kernels()
     assert lib is not None
     ops = CpuLayerOps(lib)
