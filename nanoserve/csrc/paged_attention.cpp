@@ -294,20 +294,14 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
       } else {
         // bfloat16: keys in place for bf16 scores; otherwise keys and values widened once into
         // buffers when enough rows use them, else at each use.
-        const bool buffered = !in_place_values;
         const Rows<uint16_t, NVEC> k_in_place{kb, token_stride}, v_in_place{vb, token_stride};
-        if constexpr (kBf16Scores<T>) {
-          if (buffered)
-            attend_head(k_in_place, block_rows<NVEC>(vb, token_stride, n, vbuf.data()));
-          else
-            attend_head(k_in_place, v_in_place);
-        } else {
-          if (buffered)
-            attend_head(block_rows<NVEC>(kb, token_stride, n, kbuf.data()),
-                        block_rows<NVEC>(vb, token_stride, n, vbuf.data()));
-          else
-            attend_head(k_in_place, v_in_place);
-        }
+        if (in_place_values)
+          attend_head(k_in_place, v_in_place);
+        else if constexpr (kBf16Scores<T>)
+          attend_head(k_in_place, block_rows<NVEC>(vb, token_stride, n, vbuf.data()));
+        else
+          attend_head(block_rows<NVEC>(kb, token_stride, n, kbuf.data()),
+                      block_rows<NVEC>(vb, token_stride, n, vbuf.data()));
       }
     }
   }

@@ -248,12 +248,13 @@ void panel_range(const uint8_t* w, int64_t row_bytes, const Activations& a, cons
         const int64_t next_bytes = std::clamp<int64_t>(end - begin - ahead, 0, kBand) * row_bytes;
         for (int64_t at = 0; at < next_bytes; at += 64) __builtin_prefetch(next + at, 0, 2);
       }
+      const int64_t pw_row = by_band ? 0 : t0;  // the band's first row in pw
       for (int64_t grp = g0; grp < std::min(groups, g0 + per_block); ++grp) {
         FV acc[kBand];
         if constexpr (exact_chunks(Q))
-          chunk_panel_block<Q>(pw, by_band ? 0 : t0, a, grp, K, acc);
+          chunk_panel_block<Q>(pw, pw_row, a, grp, K, acc);
         else
-          panel_block<Q>(pw, by_band ? 0 : t0, a, grp, K, acc);
+          panel_block<Q>(pw, pw_row, a, grp, K, acc);
         float v[kBand][kPanelRows];
         for (int t = 0; t < kBand; ++t) store_f(v[t], acc[t]);
         const int64_t n0 = begin + t0, rows = std::min<int64_t>(kPanelRows, M - grp * kPanelRows);
