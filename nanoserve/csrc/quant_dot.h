@@ -641,11 +641,26 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
 
 namespace {
 
+// How far ahead of the row it multiplies the one-row path prefetches W (bytes), and whether it does:
+// on Intel cores only. Their L2 streamer keeps only a few lines ahead of one stream, which the row's
+// arithmetic then waits for (on a Sapphire Rapids core W came from memory at half the rate of either
+// the arithmetic alone or a bare read); AMD's (Zen 4) follow one stream at the rate memory delivers,
+// and software prefetches there only cost issue slots (docs/quantization.md, "Streaming").
+constexpr int64_t kOneRowPrefetch = 2048;
+inline bool one_row_prefetch() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+}
+
 // Output columns [begin, end) for all M rows of x, in out's row m at out + m * out_stride. At one
 // row of x (single-stream decode, where W's bytes cost more than the arithmetic) one row of W at a
 // time: each row is one sequential stream, which the hardware prefetcher follows at the rate memory
 // delivers (several rows read side by side are several streams, which it follows at about half
-// that rate). With more rows of x (the arithmetic's cost), W's rows in pairs: each load of x
+// that rate), helped on Intel cores by software prefetches kOneRowPrefetch bytes ahead (a
+// prefetch never faults, so those past the end of W are harmless). With more rows of x (the arithmetic's cost), W's rows in pairs: each load of x
 // serves two; for the 32-value formats (and iq4_xs) a block of kRowsX rows of x against each pair
 // of the range in turn (x's block stays in L1, the range's rows of W in L2), for the superblock_int
 // formats each pair against all rows of x in turn.
@@ -654,8 +669,12 @@ void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, con
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
   if (!a.pq.empty()) return panel_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
   if (M == 1) {
+    const bool prefetch = one_row_prefetch();
     int64_t n = begin;
     for (float res[1][4]; n < end; ++n) {
+      if (prefetch)
+        for (int64_t at = 0; at < row_bytes; at += 64)
+          __builtin_prefetch(w + n * row_bytes + kOneRowPrefetch + at, 0, 3);
       dot_block<Q, 1, 1>(w + n * row_bytes, row_bytes, a, 0, K, res);
       from_float(res[0][0] + (bias != nullptr ? to_float(bias[n]) : 0.0f), out + n);
     }
