@@ -44,7 +44,8 @@
 // (from kPanelRows rows of x on: quant_panel.h); exact_chunks each group of x's rows against all
 // the range's rows of W in turn, so x's group stays in L1 and W streams from memory once, then from
 // L2 (with two rows of W, the next two prefetched meanwhile; one row is a sequential stream the
-// hardware prefetcher follows); from kPanelMinRows rows of x on, quant_panel.h.
+// hardware prefetcher follows, helped on Intel cores by column_range's prefetches); from
+// kPanelMinRows rows of x on, quant_panel.h.
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
 // a step past K multiplies zeros; each output is biased and rounded to the output type once, at the
@@ -525,7 +526,7 @@ void exact_chunk_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, 
     // With several rows of W: the same stretch of the next NW rows (the next call's, or the next
     // task's: rows follow one another in memory), a cache line at a time, since the hardware
     // prefetcher does not run far enough ahead on NW interleaved streams. One row of W is one
-    // sequential stream, which the hardware prefetcher follows at the rate memory delivers.
+    // sequential stream, prefetched by column_range where the hardware prefetcher falls behind.
     if constexpr (NW > 1)
       for (int j = NW; j < 2 * NW; ++j)
         for (int64_t at = c0 * chunk_bytes; at < (c0 + n) * chunk_bytes; at += 64)
