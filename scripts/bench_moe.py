@@ -13,7 +13,8 @@ Usage: python scripts/bench_moe.py [--layers 4] [--formats Q8_0,Q4_K_M] [--threa
    nanoserve's demo tokenizer, padded to the vocabulary.
 2. llama.cpp on each file: `llama-bench -p 0 -n 64` (single-stream decode, each --threads count) and
    `llama-batched-bench -npp 16 -ntg 32 -npl 16,64` (decode of 16 and 64 sequences), each process's
-   peak resident memory (its rusage).
+   peak resident memory (its rusage); without their repacked layouts (`--repack 0`, `--no-repack`)
+   on a CPU with AMX-INT8, where llama.cpp's AMX path crashes.
 3. nanoserve.LLM on each file, in a process of its own per --threads count: decode of 1, 16 and 64
    streams (greedy, 16-token prompts), the process's peak resident memory.
 4. moe.cpp: one layer's `CpuLayerOps.moe_ffn` on the file's expert tensors (read into memory), for
@@ -46,6 +47,7 @@ import gguf
 import numpy as np
 import torch
 
+from nanoserve.bench.llama_server import cpu_has_amx
 from nanoserve.bench.quant import machine_info
 from nanoserve.bench.roofline import measure_roofline
 from nanoserve.cache import cache_root
@@ -180,13 +182,16 @@ def run_measured(cmd: list[str]) -> tuple[str, int]:
 
 def llama_cpp(path: Path, threads: list[int]) -> dict[str, Any]:
     """llama-bench's single-stream decode per thread count, llama-batched-bench's decode at 16 and
-    64 sequences (the most threads), the peak resident memory of each."""
+    64 sequences (the most threads), the peak resident memory of each. On a CPU with AMX-INT8 both
+    run without their repacked layouts (llama.cpp's AMX path crashes there)."""
+    amx = cpu_has_amx()
     out, rss = run_measured([str(LLAMA_BIN / "llama-bench"), "-m", str(path), "-p", "0", "-n", "64", "-r", "2",
-                             "-t", ",".join(map(str, threads)), "-o", "json"])
+                             "-t", ",".join(map(str, threads)), "-o", "json", *(["--repack", "0"] if amx else [])])
     single = {int(r["n_threads"]): r["avg_ts"] for r in json.loads(out)}
     out, batch_rss = run_measured([str(LLAMA_BIN / "llama-batched-bench"), "-m", str(path), "-c", "8192",
                                    "-b", "2048", "-ub", "512", "-npp", "16", "-ntg", "32", "-npl", "16,64",
-                                   "-t", str(max(threads)), "--output-format", "jsonl"])
+                                   "-t", str(max(threads)), "--output-format", "jsonl",
+                                   *(["--no-repack"] if amx else [])])
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     batch = {int(r["pl"]): r["speed_tg"] for r in rows if "pl" in r}
     return {"single_tok_s": single, "batch_tok_s": batch, "peak_rss_single": rss, "peak_rss_batch": batch_rss}
@@ -350,7 +355,8 @@ def main() -> None:
         print(f"{fmt}: {entry['file_bytes'] / 2**30:.2f} GiB, {ns.layers} layers")
         if "llama_cpp" in entry:
             lc = entry["llama_cpp"]
-            print("  llama.cpp decode tok/s: " + ", ".join(f"1 stream {t} threads {r:.1f}"
+            repack = "without its repacked layouts (AMX-INT8 CPU)" if cpu_has_amx() else "repacked layouts on"
+            print(f"  llama.cpp ({repack}) decode tok/s: " + ", ".join(f"1 stream {t} threads {r:.1f}"
                                                         for t, r in lc["single_tok_s"].items())
                   + "; " + ", ".join(f"{b} streams {r:.1f}" for b, r in lc["batch_tok_s"].items())
                   + f"; peak RSS {lc['peak_rss_single'] / 2**30:.2f} / {lc['peak_rss_batch'] / 2**30:.2f} GiB")
