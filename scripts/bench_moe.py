@@ -356,8 +356,8 @@ def main() -> None:
         if "llama_cpp" in entry:
             lc = entry["llama_cpp"]
             repack = "off (an AMX-INT8 CPU)" if cpu_has_amx() else "on"
-            print(f"  llama.cpp (repacked layouts {repack}) decode tok/s: " + ", ".join(f"1 stream {t} threads {r:.1f}"
-                                                        for t, r in lc["single_tok_s"].items())
+            print(f"  llama.cpp (repacked layouts {repack}) decode tok/s: "
+                  + ", ".join(f"1 stream {t} threads {r:.1f}" for t, r in lc["single_tok_s"].items())
                   + "; " + ", ".join(f"{b} streams {r:.1f}" for b, r in lc["batch_tok_s"].items())
                   + f"; peak RSS {lc['peak_rss_single'] / 2**30:.2f} / {lc['peak_rss_batch'] / 2**30:.2f} GiB")
         for t, e2e in entry["nanoserve"].items():

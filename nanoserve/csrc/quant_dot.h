@@ -661,10 +661,11 @@ inline bool one_row_prefetch() {
 // time: each row is one sequential stream, which the hardware prefetcher follows at the rate memory
 // delivers (several rows read side by side are several streams, which it follows at about half
 // that rate), helped on Intel cores by software prefetches kOneRowPrefetch bytes ahead (a
-// prefetch never faults, so those past the end of W are harmless). With more rows of x (the arithmetic's cost), W's rows in pairs: each load of x
-// serves two; for the 32-value formats (and iq4_xs) a block of kRowsX rows of x against each pair
-// of the range in turn (x's block stays in L1, the range's rows of W in L2), for the superblock_int
-// formats each pair against all rows of x in turn.
+// prefetch never faults, so those past the end of W are harmless). With more rows of x (the
+// arithmetic's cost), W's rows in pairs: each load of x serves two; for the 32-value formats (and
+// iq4_xs) a block of kRowsX rows of x against each pair of the range in turn (x's block stays in
+// L1, the range's rows of W in L2), for the superblock_int formats each pair against all rows of x
+// in turn.
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
