@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import mmap
 import os
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from nanoserve.cli import main as cli_main
 from nanoserve.model import CausalLM, LoadedModel, load_model
 from nanoserve.model.checkpoint.gguf_export import export_gguf
 from nanoserve.model.checkpoint.gguf_reader import read_gguf
-from nanoserve.model.checkpoint.loader import HUGE_PAGE_BYTES, advise_huge_pages
+from nanoserve.model.checkpoint.loader import place_on_huge_pages
 from nanoserve.model.checkpoint.weights import load_weights
 from nanoserve.model.families import FAMILIES as REGISTRY
 from nanoserve.model.layer_ops import select_layer_ops
@@ -353,23 +352,25 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="needs Linux's transparent huge pages")
-def test_weights_advised_onto_huge_pages():
-    """Each storage's whole 2 MiB pages, once per storage (tied weights share one), and nothing
-    outside it, are marked for huge pages ("hg") before the loader writes them."""
-    module = torch.nn.Module()
-    # A mapping of its own: glibc may serve a plain 9 MiB allocation from heap memory that an earlier
-    # test's weights had advised, which would make the pages around this storage "hg" already.
-    mapping = mmap.mmap(-1, 9 << 20)
-    module.register_buffer("w", torch.frombuffer(mapping, dtype=torch.uint8))
-    module.register_buffer("tied", module.w[: 1 << 20])
-    module.register_buffer("small", torch.empty(1 << 20, dtype=torch.uint8))
-    begin = -(-module.w.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (module.w.data_ptr() + module.w.numel()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    assert advise_huge_pages(module) == end - begin >= 3 * HUGE_PAGE_BYTES
-    assert "hg" in _vma_flags(begin) and "hg" in _vma_flags(end - 1)
-    for outside in (begin - 1, end):  # the storage's partial pages at either end (glibc puts a header first)
-        if module.w.data_ptr() <= outside < module.w.data_ptr() + module.w.numel():
-            assert "hg" not in _vma_flags(outside), f"advised {outside - begin:+} bytes from the first whole page"
+def test_weights_placed_on_huge_pages():
+    """Every CPU parameter and persistent buffer, small ones included, gets zeroed memory in one
+    mapping marked for huge pages ("hg"), 64-byte aligned; tensors that shared a storage (tied
+    weights, views) still share it; non-persistent buffers keep their memory and values."""
+    module = torch.nn.Linear(300, 7, dtype=torch.bfloat16)  # 4.2 KB of weights: heap memory of its own
+    module.register_buffer("blocks", torch.randint(1, 256, (1000, 144), dtype=torch.uint8))
+    module.register_buffer("tied", module.blocks[10:20])
+    module.register_buffer("inv_freq", torch.arange(1.0, 9.0), persistent=False)
+    computed = module.inv_freq
+    assert place_on_huge_pages(module) == sum(-(-n // 64) * 64 for n in (300 * 7 * 2, 7 * 2, 1000 * 144))
+    state = module.state_dict()
+    assert set(state) == {"weight", "bias", "blocks", "tied"}
+    assert all(not t.any() for t in state.values())
+    assert {t.untyped_storage().data_ptr() for t in state.values()} == {module.blocks.untyped_storage().data_ptr()}
+    assert module.tied.data_ptr() == module.blocks.data_ptr() + 10 * 144
+    assert all(t.data_ptr() % 64 == 0 for name, t in state.items() if name != "tied")
+    assert all("hg" in _vma_flags(t.data_ptr()) for t in state.values())
+    assert isinstance(module.weight, torch.nn.Parameter)
+    assert module.inv_freq is computed and torch.equal(computed, torch.arange(1.0, 9.0))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

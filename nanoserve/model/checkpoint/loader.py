@@ -5,14 +5,13 @@ Only safetensors and GGUF are read; nothing is ever unpickled.
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import itertools
 import json
 import logging
 import math
 import mmap
 import struct
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,7 +33,6 @@ from nanoserve.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 PROGRESS_BAR_BYTES = 256 << 20
-HUGE_PAGE_BYTES = 2 << 20
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -229,7 +227,7 @@ def load_model(
     with torch.device(dev):
         model = CausalLM(config, torch_dtype, quant)
     if dev.type == "cpu":
-        advise_huge_pages(model)
+        place_on_huge_pages(model)
     load_weights(model, tensors, families[config.family])
     model.eval()
     kept = f", weights kept as {', '.join(sorted(quant.used_formats))}" if quant.formats else ""
@@ -238,28 +236,47 @@ def load_model(
     return LoadedModel(model, config, tokenizer, path, gen_cfg)
 
 
-def advise_huge_pages(module: torch.nn.Module) -> int:
-    """Asks Linux to back `module`'s CPU tensors with 2 MiB pages (transparent huge pages, which
-    systems commonly grant only to memory that asks: `madvise` mode): each storage's whole 2 MiB
-    pages, so nothing beyond it becomes resident. A decode step streams every weight once; with 4
-    KiB pages that walk misses the TLB once per 4 KiB, with huge pages once per 2 MiB. Only pages
-    not yet written are affected (call it between allocating and filling: the kernel allocates the
-    huge pages as they are first written). Best effort: where the kernel refuses (THP off, not
-    Linux), pages stay 4 KiB. Returns the bytes advised."""
-    if not sys.platform.startswith("linux"):
+def place_on_huge_pages(module: torch.nn.Module) -> int:
+    """Gives `module`'s CPU parameters and persistent buffers (what the loader fills) new memory, all
+    in one private anonymous memory map that asks Linux for 2 MiB pages (transparent huge pages,
+    which systems commonly grant only to memory that asks: `madvise` mode). A decode step streams
+    every weight once; with 4 KiB pages that walk misses the TLB once per 4 KiB, with huge pages once
+    per 2 MiB. Most of a layer's matrices are smaller than 2 MiB, so only one map shared by all of
+    them puts them on huge pages (memory of their own, from the heap, would hold no whole 2 MiB page).
+
+    Their values are not kept: each tensor reads as zeros afterwards, and the map's pages are
+    allocated only as the loader writes them (so the process's peak is what it would be without the
+    move). Call it between building and loading. Each storage gets a 64-byte aligned place; the
+    tensors on it (tied weights share one, and keep sharing it) are re-pointed in place (`set_`), so
+    every module attribute that holds them sees the move, while a view made of them earlier would
+    keep the old memory. Non-persistent buffers (computed when the model is built) stay as they are.
+    Where the kernel refuses huge pages (THP `never`, no free 2 MiB pages, not Linux) the map has 4
+    KiB pages and nothing else changes. Returns the bytes of the map."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for sub in module.modules():
+        persistent = [b for name, b in sub._buffers.items() if name not in sub._non_persistent_buffers_set]
+        for tensor in itertools.chain(sub._parameters.values(), persistent):
+            if tensor is not None and tensor.device.type == "cpu" and tensor.untyped_storage().nbytes():
+                group = groups.setdefault(tensor.untyped_storage().data_ptr(), [])
+                if all(t is not tensor for t in group):
+                    group.append(tensor)
+    places, size = [], 0
+    for tensors in groups.values():
+        places.append(size)
+        size += -(-tensors[0].untyped_storage().nbytes() // 64) * 64
+    if size == 0:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    advised, seen = 0, set()
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        storage = tensor.untyped_storage()
-        if tensor.device.type != "cpu" or storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        begin = -(-storage.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        end = (storage.data_ptr() + storage.nbytes()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-        if end > begin and libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), mmap.MADV_HUGEPAGE) == 0:
-            advised += end - begin
-    return advised
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP compiled out of this kernel: 4 KiB pages
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+    storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()  # keeps the map alive
+    with torch.no_grad():
+        for place, tensors in zip(places, groups.values(), strict=True):
+            for t in tensors:
+                at = (place + t.storage_offset() * t.element_size()) // t.element_size()
+                t.set_(storage, at, t.size(), t.stride())
+    return size
 
 
 def _check_file_decides(quant: QuantConfig, family: Family, config: ModelConfig, quantization: str,
