@@ -300,8 +300,12 @@ print(before, status("VmHWM"), sum(storages.values()))
 def _load_peak(path: Path, quantization: str = "none") -> tuple[int, int]:
     """(the loaded model's tensor bytes, peak resident growth while loading) of a second load of
     `path` in a fresh interpreter running this checkout's nanoserve. (Resident growth once loaded is
-    no measure of the model: the first load's freed memory is reused.)"""
-    env = {**os.environ, "PYTHONPATH": str(Path(nanoserve.__file__).parents[1])}
+    no measure of the model: the first load's freed memory is reused.) glibc's mmap threshold is
+    fixed at its initial 128 KiB: left dynamic, it rises as large blocks are freed, and how much of
+    the first load's freed heap the second one's transient tensors reuse then varied from run to run
+    (the int8 load below grew 36-47 MB with the weights allocated by torch, 54-64 MB with them in one
+    huge-page map; 50 and 52 MB, steadily, with the threshold fixed)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(nanoserve.__file__).parents[1]), "MALLOC_MMAP_THRESHOLD_": "131072"}
     out = subprocess.run([sys.executable, "-c", _LOAD_PEAK, str(path), quantization], capture_output=True,
                          text=True, env=env, timeout=300, check=True).stdout
     before, peak, model_bytes = map(int, out.split())

@@ -245,8 +245,8 @@ def place_on_huge_pages(module: torch.nn.Module) -> int:
     them puts them on huge pages (memory of their own, from the heap, would hold no whole 2 MiB page).
 
     Their values are not kept: each tensor reads as zeros afterwards, and the map's pages are
-    allocated only as the loader writes them (so the process's peak is what it would be without the
-    move). Call it between building and loading. Each storage gets a 64-byte aligned place; the
+    allocated only as the loader writes them (nothing is copied). Call it between building and
+    loading. Each storage gets a 64-byte aligned place; the
     tensors on it (tied weights share one, and keep sharing it) are re-pointed in place (`set_`), so
     every module attribute that holds them sees the move, while a view made of them earlier would
     keep the old memory. Non-persistent buffers (computed when the model is built) stay as they are.
