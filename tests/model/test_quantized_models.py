@@ -269,6 +269,11 @@ def test_block_quantized_file_kept_quantized(gguf_file, family, kind):
     fmt = kind.lower()
     formats = _formats(loaded.model)
     assert set(formats.values()) == {fmt}, formats  # every matrix, the embedding and LM head included
+    # The loader wrote every weight into one map (place_on_huge_pages) and the logits below hold.
+    state = loaded.model.state_dict()
+    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == 1
+    if THP.exists() and "[never]" not in THP.read_text():
+        assert "hg" in _vma_flags(next(iter(state.values())).data_ptr())
     # Within the weights' own quantization error of the checkpoint the file was made from (llama's
     # Q/K rows un-permuted from blocks correctly, or this fails by ~1).
     reference = load_model(src, dtype=torch.float32)

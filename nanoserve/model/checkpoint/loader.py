@@ -246,12 +246,12 @@ def place_on_huge_pages(module: torch.nn.Module) -> int:
 
     Their values are not kept: each tensor reads as zeros afterwards, and the map's pages are
     allocated only as the loader writes them (nothing is copied). Call it between building and
-    loading. Each storage gets a 64-byte aligned place; the
-    tensors on it (tied weights share one, and keep sharing it) are re-pointed in place (`set_`), so
-    every module attribute that holds them sees the move, while a view made of them earlier would
-    keep the old memory. Non-persistent buffers (computed when the model is built) stay as they are.
-    Where the kernel refuses huge pages (THP `never`, no free 2 MiB pages, not Linux) the map has 4
-    KiB pages and nothing else changes. Returns the bytes of the map."""
+    loading. Each storage gets a 64-byte aligned place; the tensors on it (tied weights share one,
+    and keep sharing it) are re-pointed in place (`set_`), so every module attribute that holds them
+    sees the move, while a view made of them earlier would keep the old memory. Non-persistent
+    buffers (computed when the model is built) stay as they are. Where the kernel refuses huge pages
+    (THP `never`, no free 2 MiB pages, not Linux) the map has 4 KiB pages and nothing else changes.
+    Returns the bytes of the map."""
     groups: dict[int, list[torch.Tensor]] = {}
     for sub in module.modules():
         persistent = [b for name, b in sub._buffers.items() if name not in sub._non_persistent_buffers_set]
