@@ -6,10 +6,11 @@ Standard library only: `setup.py` loads this file by its path, before nanoserve 
 imported. The sources include no torch header; OpenMP resolves at run time to the libgomp that
 torch has already loaded (same soname).
 
-Variants. Each kernel chooses its path when it is compiled (AVX2; AVX512 with VNNI and BF16; no
-kernel has an AMX path: batch invariance keeps one path per weight format), so on x86-64 the package
-build compiles one library per instruction-set level (`X86_VARIANTS`) and `native.py` loads, at run
-time, the first one whose CPU flags this CPU has. On any other machine it compiles one library for
+Variants. Each kernel chooses its path when it is compiled (AVX2; AVX512 with VNNI and BF16), so on
+x86-64 the package build compiles one library per instruction-set level (`X86_VARIANTS`) and
+`native.py` loads, at run time, the first one whose CPU flags this CPU has. The one choice made at
+run time: the AVX512 variant is also compiled with AMX-INT8, which the k-quant products of many
+rows take where the CPU has it and the OS grants it (quant_amx.h; the same bits as without). On any other machine it compiles one library for
 the CPU it runs on (`-march=native`), which needs that CPU's flags at run time. A CPU below every
 variant (no AVX2) gets the on-demand native build.
 
@@ -51,7 +52,7 @@ class Variant(NamedTuple):
 
 _V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})  # x86-64-v3
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4
-_AVX512 = ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16")
+_AVX512 = ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8")
 # Best first: the first whose flags a CPU has is the one it runs.
 X86_VARIANTS = (
     Variant("avx512", _AVX512, _V4 | {"avx512_vnni", "avx512_bf16"}),

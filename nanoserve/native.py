@@ -121,6 +121,7 @@ SIGNATURES: dict[str, Signature] = {
     "nanoserve_quant_linear_bf16_out_f32": _PER_DTYPE["nanoserve_quant_linear"],
     "nanoserve_linear_bf16_native": Signature(_INT, ()),  # linear.cpp
     "nanoserve_quant_isa": Signature(_INT, ()),  # quant.cpp
+    "nanoserve_quant_amx": Signature(_INT, ()),  # quant.cpp
 }
 
 

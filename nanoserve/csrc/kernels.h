@@ -74,6 +74,7 @@ int nanoserve_dequantize_rows_f32(const uint8_t* w, int qtype, int64_t num_rows,
 int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows, int64_t K, const int64_t* rows,
                                    int64_t n, uint16_t* out, int num_threads);
 int nanoserve_quant_isa();
+int nanoserve_quant_amx();
 
 // moe.cpp (experts stacked by rows as GGUF stores them: gate, up [E * I, row_bytes(H)], down
 // [E * H, row_bytes(I)]; ids [T, k] in [0, E), weights [T, k])

@@ -9,6 +9,7 @@
 //   quant_blocks.h  the GGUF block formats: layouts, unpacking of W's groups, row dequantization
 //   quant_dot.h     the int8 dot products: activation quantization, dot_block, column_range
 //   quant_panel.h   the products of many rows of x (an outer-product kernel)
+//   quant_amx.h     the superblock_int formats' products of many rows of x on AMX-INT8 tiles
 // Without AVX2 a plain scalar loop (here) dequantizes each row of W and multiplies it with x in
 // fp32 (no activation quantization). nanoserve_quant_isa reports which path the build takes.
 //
@@ -16,9 +17,9 @@
 // each task quant_dot.h's column_range. Every product with a block-quantized W comes here, for any
 // number of rows of x: one arithmetic per weight format (activations quantized to 8 bits per block
 // of 32, or per super-block for the k-quants), so each output is the same bits whatever else shares
-// the step (batch invariance: no switch to AMX tiles or to a GEMM on dequantized tiles past some
-// number of rows, which would sum other values in another order; the panel kernel computes the
-// same exact integer terms and the same fp32 steps as the pair kernels).
+// the step (batch invariance: no switch to a GEMM on dequantized tiles past some number of rows,
+// which would sum other values in another order; the panel kernel and, on CPUs with AMX, the tile
+// kernel compute the same exact integer terms and the same fp32 steps as the pair kernels).
 //
 // Layouts: x [M, K] contiguous; W [N, row_bytes] (quant_blocks.h); bias [N] or null (x's type); out
 // row m at out + m * out_stride (out_stride >= N: a fused matrix's parts write column slices of one
@@ -48,7 +49,8 @@ void products(const T* x, const uint8_t* w, const T* bias, O* out, int64_t out_s
               int64_t K, int num_threads) {
   constexpr int64_t step = std::max<int64_t>(layout(Q).values, kVecValues);
   const int64_t row_bytes = K / layout(Q).values * layout(Q).bytes, Kp = (K + step - 1) / step * step;
-  // x quantized (and, from kPanelMinRows rows on, laid out in panels for quant_panel.h), then the
+  // x quantized (and, from kPanelMinRows rows on, laid out in panels for quant_panel.h or, from
+  // kAmxMinRows on where amx_usable, for quant_amx.h: size_panel chooses), then the
   // products. From kPanelMinRows rows on the threads share the rows, then the panel groups (each
   // step one more meeting of the threads), then the tasks.
   Activations a;
@@ -184,5 +186,8 @@ int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows
 // Which dot product the quantized products use: 3 AVX512-VNNI, 2 AVX-VNNI (256-bit), 1 AVX2
 // (vpmaddubsw), 0 none (scalar, fp32).
 int nanoserve_quant_isa() { return kIsa; }
+// Whether the superblock_int formats' products of kAmxMinRows rows of x or more take AMX-INT8 tiles
+// (quant_amx.h): 1 where this build has that path and this CPU and process may use it, else 0.
+int nanoserve_quant_amx() { return amx_usable() ? 1 : 0; }
 
 }  // extern "C"

@@ -45,7 +45,8 @@
 // the range's rows of W in turn, so x's group stays in L1 and W streams from memory once, then from
 // L2 (with two rows of W, the next two prefetched meanwhile; one row is a sequential stream the
 // hardware prefetcher follows, helped on Intel cores by column_range's prefetches); from
-// kPanelMinRows rows of x on, quant_panel.h.
+// kPanelMinRows rows of x on, quant_panel.h (the superblock_int formats from kAmxMinRows rows on,
+// where amx_usable, quant_amx.h).
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
 // a step past K multiplies zeros; each output is biased and rounded to the output type once, at the
@@ -61,6 +62,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -75,6 +77,21 @@ constexpr int kRowsX = 8;  // rows of x per pass over a group of W's rows, at mo
 // sub-block scales (|s| <= 128) their products stay within int16 and a super-block's int32 sums
 // within 2^31.
 constexpr int kSubScales = 32;
+
+// An allocator of cache-line aligned storage: the AMX tiles' rows (64 bytes) each in one line.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
 
 // The activation rows of one product, quantized for format Q (see the header comment), K padded
 // with zeros to Kp, a multiple of the vector and of the group.
@@ -100,6 +117,13 @@ struct Activations {
   std::vector<int8_t> pq;
   std::vector<float> punit;
   std::vector<int32_t> pk, psums;
+  // Instead of pq, pk and psums where the products take AMX tiles (the superblock_int formats,
+  // amx_usable; see quant_amx.h): x' = k_c qx (|x'| <= 127 kSubScales) as x' = 64 xh + xl, xh =
+  // x' >> 6 (signed), xl = x' & 63, each [groups, Kp / 256, kAmxSteps, 16, kPanelRows, 4]: per
+  // super-block the B tiles of its kAmxSteps steps of 64 values, row i of a tile holding values 4i
+  // .. 4i + 3 of each row of the group, the 32-value chunks in kAmxOrder.
+  std::vector<int8_t, LineAligned<int8_t>> pxh;
+  std::vector<uint8_t, LineAligned<uint8_t>> pxl;
 };
 
 constexpr int kPanelRows = kVecValues / 4;  // rows of x per panel group: one int32 lane of a vector each
@@ -149,6 +173,8 @@ inline void size_activations(Activations& a, int64_t M, int64_t Kp, int qtype) {
   a.punit.clear();
   a.pk.clear();
   a.psums.clear();
+  a.pxh.clear();
+  a.pxl.clear();
 }
 
 // Rows [m_begin, m_end) of x [.., K] into a (sized by size_activations for the same qtype). The
@@ -209,12 +235,57 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
     }
 }
 
-// The panel fields of a (M rows) sized for panel_groups.
+#if defined(NANOSERVE_AMX)
+constexpr int kAmxSteps = 4;  // AMX tile steps of 64 values a super-block
+// Rows of x from which the superblock_int formats' products take AMX tiles: two panel groups (at one,
+// unpacking W's bands for the tiles costs what the tiles save; measured, docs/quantization.md).
+constexpr int kAmxMinRows = kPanelRows + 1;
+// The place of chunk c (32 values) of a super-block in the tiles' order: the even chunks first (steps
+// 0 and 1), then the odd ones (steps 2 and 3), so that each of the offset formats' two terms
+// (kTerm2Group: the odd chunks' groups are term2's) is whole steps.
+constexpr int kAmxOrder(int c) { return (c % 2) * 4 + c / 2; }
+
+// Row r of x (q256, k16, unit: quantize_rows') into a's AMX fields (see Activations).
+inline void amx_panel_row(Activations& a, int64_t r) {
+  const int64_t Kp = a.Kp, blocks = Kp / 256, grp = r / kPanelRows, lane = r % kPanelRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = grp * blocks + b;
+    a.punit[at * kPanelRows + lane] = a.unit[r * blocks + b];
+    for (int c = 0; c < 8; ++c) {
+      const __m512i q = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q256.data() + r * Kp + b * 256 + c * kChunk)));
+      const __m512i x = _mm512_mullo_epi16(q, _mm512_set1_epi16(a.k16[r * (Kp / 16) + b * 16 + 2 * c]));
+      alignas(32) int32_t h[8], l[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi16_epi8(_mm512_srai_epi16(x, 6)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(l), _mm512_cvtepi16_epi8(_mm512_and_si512(x, _mm512_set1_epi16(63))));
+      // The chunk's eight rows of four values in its place among the super-block's 64 tile rows.
+      const int64_t first = (at * 64 + kAmxOrder(c) * 8) * 4 * kPanelRows + lane * 4;
+      for (int i = 0; i < 8; ++i) {
+        std::memcpy(a.pxh.data() + first + i * 4 * kPanelRows, &h[i], 4);
+        std::memcpy(a.pxl.data() + first + i * 4 * kPanelRows, &l[i], 4);
+      }
+    }
+  }
+}
+#endif
+
+// The panel fields of a (M rows) sized for panel_groups: the AMX ones instead of pq, pk and psums
+// where the products take AMX tiles.
 inline void size_panel(Activations& a, int64_t M) {
   const int64_t Kp = a.Kp, groups = (M + kPanelRows - 1) / kPanelRows;
   const int64_t blocks = superblock_int(a.qtype) ? Kp / 256 : Kp / kChunk;  // punit's per row
-  a.pq.assign(groups * Kp * kPanelRows, 0);
   a.punit.assign(groups * blocks * kPanelRows, 0.0f);
+#if defined(NANOSERVE_AMX)
+  if (superblock_int(a.qtype) && M >= kAmxMinRows && amx_usable()) {
+    a.pxh.assign(groups * Kp * kPanelRows, 0);
+    a.pxl.assign(groups * Kp * kPanelRows, 0);
+    a.pq.clear();
+    a.pk.clear();
+    a.psums.clear();
+    return;
+  }
+#endif
+  a.pq.assign(groups * Kp * kPanelRows, 0);
   if (superblock_int(a.qtype)) {
     a.pk.assign(groups * blocks * 16 * kPanelRows, 1);
     a.psums.assign(groups * blocks * 16 * kPanelRows, 0);
@@ -226,6 +297,12 @@ inline void size_panel(Activations& a, int64_t M) {
 
 // Panel groups [g_begin, g_end) of a (see Activations) from its row fields (M rows).
 inline void panel_groups(Activations& a, int64_t M, int64_t g_begin, int64_t g_end) {
+#if defined(NANOSERVE_AMX)
+  if (!a.pxh.empty()) {
+    for (int64_t r = g_begin * kPanelRows; r < std::min(M, g_end * kPanelRows); ++r) amx_panel_row(a, r);
+    return;
+  }
+#endif
   const int64_t Kp = a.Kp;
   const bool super = superblock_int(a.qtype);
   const std::vector<int8_t>& q = super ? a.q256 : a.q;
@@ -637,6 +714,7 @@ void columns(const uint8_t* w, int64_t row_bytes, const Activations& a, const T*
 #endif
 
 #include "quant_panel.h"
+#include "quant_amx.h"
 
 #if defined(__AVX2__)
 
@@ -669,6 +747,10 @@ inline bool one_row_prefetch() {
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
+#if defined(NANOSERVE_AMX)
+  if constexpr (superblock_int(Q))
+    if (!a.pxh.empty()) return amx_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
+#endif
   if (!a.pq.empty()) return panel_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
   if (M == 1) {
     const bool prefetch = one_row_prefetch();

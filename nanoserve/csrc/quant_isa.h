@@ -26,6 +26,11 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "simd.h"
 
@@ -64,6 +69,27 @@ inline IV sub32(IV a, IV b) { return _mm512_sub_epi32(a, b); }
 inline IV mullo32(IV a, IV b) { return _mm512_mullo_epi32(a, b); }
 inline IV slli32(IV a, int n) { return _mm512_slli_epi32(a, static_cast<unsigned>(n)); }
 inline void store_f(float* p, FV v) { _mm512_storeu_ps(p, v); }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+// The superblock_int formats' products of many rows of x may take AMX-INT8 tiles (quant_amx.h), on
+// a CPU that has them, once this process may use them.
+#define NANOSERVE_AMX 1
+// Whether this process may use AMX-INT8 tiles: the CPU has them (CPUID leaf 7: AMX-TILE, AMX-INT8),
+// the OS saves their state (XCR0 bits 17 and 18) and grants this process their use (Linux 5.16's
+// ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once; granted for every thread of the process).
+inline bool amx_usable() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || (c & bit_OSXSAVE) == 0) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (1u << 24)) == 0 || (d & (1u << 25)) == 0) return false;
+    if ((_xgetbv(0) & 0x60000) != 0x60000) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return usable;
+}
+#endif
+
 #else
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 constexpr int kIsa = 2;
@@ -119,6 +145,10 @@ inline IV dot2(IV acc, IV a, IV b) {
 
 constexpr int kIsa = 0;
 
+#endif
+
+#if !defined(NANOSERVE_AMX)
+inline bool amx_usable() { return false; }
 #endif
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The quantized products with kPanelMinRows rows of x or more, every format (the superblock_int ones,
 // q4_k, q5_k, q6_k, q3_k, q2_k, and exact_chunks, the others): an outer-product micro-kernel in the
 // manner of a GEMM's, where superblock_dot and exact_chunk_dot take one (row of W, row of x) pair at
-// a time.
+// a time. (On a CPU with AMX-INT8, the superblock_int formats' products from kAmxMinRows rows on
+// take quant_amx.h's tiles instead; the same bits.)
 //
 // Private to the products' translation units (included by quant_dot.h only, after Activations and
 // superblock_step, which it uses; see quant.cpp for the files' roles). Everything is in the unnamed
@@ -224,6 +225,30 @@ void chunk_panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_
                  add(add(part[1][t], part[5][t]), add(part[3][t], part[7][t])));
 }
 
+// The outputs acc[t] (lane l: row kPanelRows grp + l of x; t < kBand) of W's rows n0 + t that are
+// before end, biased, into out's rows of panel group grp (M rows of x in all).
+template <typename T, typename O>
+void store_band(const FV acc[kBand], const T* bias, O* out, int64_t out_stride, int64_t M, int64_t grp, int64_t n0,
+                int64_t end) {
+  float v[kBand][kPanelRows];
+  for (int t = 0; t < kBand; ++t) store_f(v[t], acc[t]);
+  const int64_t rows = std::min<int64_t>(kPanelRows, M - grp * kPanelRows);
+  if (n0 + kBand <= end) {  // a whole band: each row's kBand outputs transposed into one vector
+    static_assert(kBand == kLanes, "one vec8 a row");
+    const vec8 b = bias != nullptr ? load8(bias + n0) : vec8{};
+    for (int64_t l = 0; l < rows; ++l) {
+      vec8 row;
+      for (int t = 0; t < kBand; ++t) row[t] = v[t][l];
+      store8(row + b, out + (grp * kPanelRows + l) * out_stride + n0);
+    }
+  } else {
+    for (int t = 0; n0 + t < end; ++t)
+      for (int64_t l = 0; l < rows; ++l)
+        from_float(v[t][l] + (bias != nullptr ? to_float(bias[n0 + t]) : 0.0f),
+                   out + (grp * kPanelRows + l) * out_stride + n0 + t);
+  }
+}
+
 // Output columns [begin, end) for all M rows of x (a.pq built): x's groups in blocks that stay in L2,
 // each block against every band of kBand rows of W, each row of W unpacked once.
 template <int Q, typename T, typename O>
@@ -255,23 +280,7 @@ void panel_range(const uint8_t* w, int64_t row_bytes, const Activations& a, cons
           chunk_panel_block<Q>(pw, pw_row, a, grp, K, acc);
         else
           panel_block<Q>(pw, pw_row, a, grp, K, acc);
-        float v[kBand][kPanelRows];
-        for (int t = 0; t < kBand; ++t) store_f(v[t], acc[t]);
-        const int64_t n0 = begin + t0, rows = std::min<int64_t>(kPanelRows, M - grp * kPanelRows);
-        if (n0 + kBand <= end) {  // a whole band: each row's kBand outputs transposed into one vector
-          static_assert(kBand == kLanes, "one vec8 a row");
-          const vec8 b = bias != nullptr ? load8(bias + n0) : vec8{};
-          for (int64_t l = 0; l < rows; ++l) {
-            vec8 row;
-            for (int t = 0; t < kBand; ++t) row[t] = v[t][l];
-            store8(row + b, out + (grp * kPanelRows + l) * out_stride + n0);
-          }
-        } else {
-          for (int t = 0; n0 + t < end; ++t)
-            for (int64_t l = 0; l < rows; ++l)
-              from_float(v[t][l] + (bias != nullptr ? to_float(bias[n0 + t]) : 0.0f),
-                         out + (grp * kPanelRows + l) * out_stride + n0 + t);
-        }
+        store_band(acc, bias, out, out_stride, M, grp, begin + t0, end);
       }
     }
 }

@@ -69,6 +69,18 @@ def test_each_build_runs_the_path_its_flags_select(build: tuple[str, ctypes.CDLL
         2 if "avx_vnni" in flags else (1 if "avx2" in flags else 0))
     expected = {"native": native, "no-vnni": 1, "no-avx2": 0}[name]
     assert lib.nanoserve_quant_isa() == expected, ISA_NAMES[lib.nanoserve_quant_isa()]
+    # The AMX tiles: in the native build where this CPU has them (the older ISAs' builds have none).
+    assert lib.nanoserve_quant_amx() == (name == "native" and {"amx_tile", "amx_int8"} <= flags)
+
+
+def test_the_installed_kernels_take_amx_tiles_where_the_cpu_has_them() -> None:
+    """The library nanoserve loads (the package build's AVX512 variant here, or a build for this CPU)
+    runs the superblock formats' many-row products on AMX-INT8 tiles exactly where the CPU has them:
+    so on such a CPU the batch invariance and accuracy tests below check that path, and elsewhere
+    the AVX512-VNNI / AVX2 micro-kernel (quant_panel.h)."""
+    lib = load_cpu_kernels()
+    assert lib is not None
+    assert lib.nanoserve_quant_amx() == ({"amx_tile", "amx_int8"} <= cpu_flags())
 
 
 def random_blocks(fmt: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
@@ -220,11 +232,13 @@ def test_products_are_the_same_bits_on_every_vector_path(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_s_rows_do_not_depend_on_the_other_rows(fmt: str, dtype: torch.dtype) -> None:
     """Batch invariance for each block format: CpuLayerOps.linear and .logits give a row the same
-    bits alone, among 3, 33 or 128 rows or among 140 (one path for any number of rows; quant_panel.h
-    unpacks W band by band while x's rows fit one block of its kernel, at this K up to 128 rows with
-    512-bit vectors and 64 with 256, and once for all of x's blocks past that), and the fp32 logits
-    rounded to the dtype are linear's output. (The 32-value formats: 17 blocks, an odd count with a
-    tail past every whole step.)"""
+    bits alone, among 3, 33 or 128 rows or among 140 (one arithmetic for any number of rows;
+    quant_panel.h unpacks W band by band while x's rows fit one block of its kernel, at this K up
+    to 128 rows with 512-bit vectors and 64 with 256, and once for all of x's blocks past that; on
+    a CPU with AMX the superblock formats' 33, 128 and 140 rows take quant_amx.h's tiles, the last
+    past one block, and 67 rows of W end in a partial band of its 16), and the fp32 logits rounded
+    to the dtype are linear's output. (The 32-value formats: 17 blocks, an odd count with a tail
+    past every whole step.)"""
     lib = load_cpu_kernels()
     assert lib is not None
     ops = CpuLayerOps(lib)
