@@ -1,5 +1,5 @@
 // The superblock_int formats' products of many rows of x on AMX-INT8 tiles (Intel's Advanced Matrix
-// Extensions, Sapphire Rapids on): where amx_usable, their products of kAmxMinRows rows of x or more
+// Extensions, Sapphire Rapids on): where amx_usable, their products of amx_min_rows rows of x or more
 // come here instead of quant_panel.h's micro-kernel.
 //
 // Private to the products' translation units (included by quant_dot.h only, after quant_panel.h,
@@ -16,18 +16,19 @@
 //   sum w' x' = 4096 (wh . xh) + 64 (wh . xl + wl . xh) + wl . xl
 // four tile products of bytes (tdpbssd, tdpbsud, tdpbusd, tdpbuud: each sums exactly in int32, far
 // from overflow within a super-block), combined in wrapping int32 arithmetic, which is exact
-// because the term itself is within int32 (superblock_step). The mins' term is 64 (m . xh) + m . xl.
-// So each output's terms are superblock_dot's exactly, and its fp32 steps superblock_step's in
-// super-block order: the same bits as the other kernels (batch invariance), whatever the rows.
+// because the term itself is within int32 (superblock_step). The mins' term, sum of m x', is a sum
+// over the sub-blocks of m times KS (k_c times the sub-block's sum of qx, from Activations' pks)
+// instead, by vpdpwssd on int16 pairs (two tile products fewer per step). So each output's terms are
+// superblock_dot's exactly, and its fp32 steps superblock_step's in super-block order: the same bits
+// as the other kernels (batch invariance), whatever the rows.
 //
 // Layout. A: 16 rows of W, B: 16 rows of x (Activations' pxh, pxl: already in the tiles' layout,
 // four values of a row in each int32 column), C: their 16 x 16 int32 sums, row t of C a vector
 // over x's rows as quant_panel.h's accumulators. All eight tiles are 16 rows of 64 bytes: a step
 // is 64 values of K, kAmxSteps steps a super-block, the chunks in kAmxOrder (the offset formats'
-// term1 steps 0-1, term2 steps 2-3). W's band of 16 rows is unpacked (AmxW) into wh, wl and (mins)
-// m bytes in the same order, tile by tile; per super-block the C tiles are stored, combined into
-// the two terms and taken into fp32 with AVX-512. Tiles: 0 A, 1-2 B (xh, xl), 3-7 C, or (offset
-// formats) 6 the second A (wl).
+// term1 steps 0-1, term2 steps 2-3). W's band of 16 rows is unpacked (AmxW) into wh and wl bytes
+// in the same order, tile by tile; per super-block the C tiles are stored, combined into the two
+// terms and taken into fp32 with AVX-512. Tiles: 0 and 6 A (wh, wl), 1-2 B (xh, xl), 3-5 C.
 
 #pragma once
 
@@ -59,11 +60,13 @@ struct alignas(64) TileConfig {
 };
 
 // Rows [0, rows) of W unpacked for amx_block, in bands of kAmxBand rows (the last padded with zero
-// rows): wh, wl and (mins) m [bands, K / 256, kAmxSteps, kAmxBand, 64] (a tile each step: row t is
-// W's row, its 64 bytes the step's values in kAmxOrder); d and dmin [padded rows, K / 256].
+// rows): wh and wl [bands, K / 256, kAmxSteps, kAmxBand, 64] (a tile each step: row t is W's row,
+// its 64 bytes the step's values in kAmxOrder); the mins in pairs of sub-blocks (amx_min_values
+// each), as Activations' pks; d and dmin [padded rows, K / 256].
 struct AmxW {
   std::vector<int8_t, LineAligned<int8_t>> wh;
-  std::vector<uint8_t, LineAligned<uint8_t>> wl, m;
+  std::vector<uint8_t, LineAligned<uint8_t>> wl;
+  std::vector<int32_t> mins;  // (formats with mins) [padded rows, K / 256, pairs]: two sub-blocks' mins, int16 each
   std::vector<float> d, dmin;
 };
 
@@ -72,9 +75,10 @@ void unpack_amx_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, 
   constexpr int offset = offset_of(Q);
   constexpr bool mins = has_mins(Q);
   const int64_t blocks = K / 256, padded = (rows + kAmxBand - 1) / kAmxBand * kAmxBand;
+  constexpr int pairs = 128 / amx_min_values(Q);
   p.wh.resize(padded * K);
   p.wl.resize(padded * K);
-  p.m.resize(mins ? padded * K : 0);
+  sized(p.mins, mins ? rows : 0, mins ? padded : 0, blocks * pairs);
   sized(p.d, rows, padded, blocks);
   sized(p.dmin, rows, padded, blocks);
   // Where row r's 64 bytes of step s of super-block b begin.
@@ -86,16 +90,12 @@ void unpack_amx_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, 
       for (int s = 0; s < kAmxSteps; ++s) {
         std::fill_n(p.wh.data() + tile_row(r, b, s), 64, 0);
         std::fill_n(p.wl.data() + tile_row(r, b, s), 64, 0);
-        if constexpr (mins) std::fill_n(p.m.data() + tile_row(r, b, s), 64, 0);
       }
   // A vector is chunks 2v and 2v + 1 (uv): value i in byte i, so value pair j in int16 lane j, whose
-  // group of 16 values is 4v + j / 8 (a per-lane index into the scales); the mins' bytes likewise by
-  // 128-bit lane (group 4v + i / 16).
+  // group of 16 values is 4v + j / 8 (a per-lane index into the scales).
   const __m512i low_byte = _mm512_set1_epi16(0x00ff), high_byte = _mm512_set1_epi16(static_cast<int16_t>(0xff00));
   const __m512i by_8 = _mm512_setr_epi32(0, 0, 0, 0, 0x10001, 0x10001, 0x10001, 0x10001, 0x20002, 0x20002, 0x20002,
                                          0x20002, 0x30003, 0x30003, 0x30003, 0x30003);  // int16 lane j: j / 8
-  const __m512i by_16 = _mm512_setr_epi32(0, 0, 0, 0, 0x1010101, 0x1010101, 0x1010101, 0x1010101, 0x2020202, 0x2020202,
-                                          0x2020202, 0x2020202, 0x3030303, 0x3030303, 0x3030303, 0x3030303);  // byte i: i / 16
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = w + r * row_bytes + b * layout(Q).bytes;
@@ -104,7 +104,14 @@ void unpack_amx_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, 
       p.d[r * blocks + b] = sc.d;
       p.dmin[r * blocks + b] = sc.dmin;
       const __m512i s16 = _mm512_castsi256_si512(sc.s16);
-      const __m512i m8 = _mm512_broadcast_i32x4(_mm256_cvtepi16_epi8(sc.m16));
+      if constexpr (mins) {  // sub-block 2q + j's min: its first group of 16 values' (m16)
+        alignas(32) uint16_t m16[16];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(m16), sc.m16);
+        constexpr int step = amx_min_values(Q) / 16;
+        for (int q = 0; q < pairs; ++q)
+          p.mins[(r * blocks + b) * pairs + q] =
+              static_cast<int32_t>(m16[2 * q * step] | static_cast<uint32_t>(m16[(2 * q + 1) * step]) << 16);
+      }
 #pragma GCC unroll 4
       for (int v = 0; v < 4; ++v) {
         const __m512i u = grp.uv(v);
@@ -126,8 +133,6 @@ void unpack_amx_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, 
         };
         put(p.wh.data(), wh);
         put(p.wl.data(), wl);
-        if constexpr (mins)
-          put(p.m.data(), _mm512_shuffle_epi8(m8, _mm512_add_epi8(by_16, _mm512_set1_epi8(static_cast<char>(4 * v)))));
       }
     }
 }
@@ -138,14 +143,18 @@ inline IV combine(const int32_t* high, const int32_t* middle, const int32_t* low
 }
 
 // acc[t] (lane l: row kPanelRows grp + l of x) = the outputs of row kAmxBand band + t of w over all of
-// K, from zero, superblock_step by superblock_step (the tile configuration loaded).
+// K, from zero, superblock_step by superblock_step (the tile configuration loaded). Per super-block:
+// term1's four products over its steps (all four; the offset formats' first two), stored; the
+// offset formats' term2 likewise over the last two steps; the mins' term2 = sum of m KS over the
+// sub-blocks, by vpdpwssd on the int16 pairs (4096 (m . hi) + m . lo), exact.
 template <int Q>
 void amx_block(const AmxW& w, int64_t band, const Activations& a, int64_t grp, int64_t K, FV acc[kAmxBand]) {
   constexpr bool mins = has_mins(Q);
+  constexpr int passes = mins ? 1 : 2, steps = kAmxSteps / passes, pairs = 128 / amx_min_values(Q);
   constexpr int64_t tile = kAmxBand * 64;  // bytes
   const int64_t blocks = K / 256;
-  // A super-block's C tiles: term1's high, middle and low sums, then term2's (mins: middle and low).
-  alignas(64) int32_t c[6][kAmxBand][16];
+  // A super-block's C tiles: term1's high, middle and low sums, then (offset formats) term2's.
+  alignas(64) int32_t c[3 * passes][kAmxBand][16];
   FV sum[kAmxBand];  // acc, in registers
   for (int t = 0; t < kAmxBand; ++t) sum[t] = fzero();
   // The tile loads' asm names no memory it reads: a compiler barrier keeps them after the stores
@@ -157,56 +166,43 @@ void amx_block(const AmxW& w, int64_t band, const Activations& a, int64_t grp, i
     const uint8_t* xl = a.pxl.data() + xt;
     const int8_t* wh = w.wh.data() + wt;
     const uint8_t* wl = w.wl.data() + wt;
-    if constexpr (mins) {  // term1's four products and the mins' two, every step
-      const uint8_t* m = w.m.data() + wt;
+    for (int pass = 0; pass < passes; ++pass) {
       _tile_zero(3);
       _tile_zero(4);
       _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int s = 0; s < kAmxSteps; ++s) {
+      for (int s = pass * steps; s < (pass + 1) * steps; ++s) {
         _tile_loadd(1, xh + s * tile, 64);
         _tile_loadd(2, xl + s * tile, 64);
         _tile_loadd(0, wh + s * tile, 64);
+        _tile_loadd(6, wl + s * tile, 64);
         _tile_dpbssd(3, 0, 1);
         _tile_dpbsud(4, 0, 2);
-        _tile_loadd(0, wl + s * tile, 64);
-        _tile_dpbusd(4, 0, 1);
-        _tile_dpbuud(5, 0, 2);
-        _tile_loadd(0, m + s * tile, 64);
-        _tile_dpbusd(6, 0, 1);
-        _tile_dpbuud(7, 0, 2);
+        _tile_dpbusd(4, 6, 1);
+        _tile_dpbuud(5, 6, 2);
       }
-      _tile_stored(3, c[0], 64);
-      _tile_stored(4, c[1], 64);
-      _tile_stored(5, c[2], 64);
-      _tile_stored(6, c[4], 64);
-      _tile_stored(7, c[5], 64);
-    } else {  // term1's two steps, then term2's, four products a step
-      for (int half = 0; half < 2; ++half) {
-        _tile_zero(3);
-        _tile_zero(4);
-        _tile_zero(5);
-        for (int s = 2 * half; s < 2 * half + 2; ++s) {
-          _tile_loadd(1, xh + s * tile, 64);
-          _tile_loadd(2, xl + s * tile, 64);
-          _tile_loadd(0, wh + s * tile, 64);
-          _tile_loadd(6, wl + s * tile, 64);
-          _tile_dpbssd(3, 0, 1);
-          _tile_dpbsud(4, 0, 2);
-          _tile_dpbusd(4, 6, 1);
-          _tile_dpbuud(5, 6, 2);
-        }
-        _tile_stored(3, c[3 * half], 64);
-        _tile_stored(4, c[3 * half + 1], 64);
-        _tile_stored(5, c[3 * half + 2], 64);
-      }
+      _tile_stored(3, c[3 * pass], 64);
+      _tile_stored(4, c[3 * pass + 1], 64);
+      _tile_stored(5, c[3 * pass + 2], 64);
     }
     const FV unit = load_f(a.punit.data() + (grp * blocks + b) * kPanelRows);
+    IV ks[2 * pairs];  // (mins) each pair's hi, then lo, over x's rows
+    if constexpr (mins)
+      for (int i = 0; i < 2 * pairs; ++i) ks[i] = load_i(a.pks.data() + ((grp * blocks + b) * 2 * pairs + i) * kPanelRows);
     for (int t = 0; t < kAmxBand; ++t) {
-      const IV term1 = combine(c[0][t], c[1][t], c[2][t]);
-      const IV term2 = mins ? add32(slli32(load_i(c[4][t]), 6), load_i(c[5][t])) : combine(c[3][t], c[4][t], c[5][t]);
       const int64_t wb = (band * kAmxBand + t) * blocks + b;
+      const IV term1 = combine(c[0][t], c[1][t], c[2][t]);
+      IV term2;
+      if constexpr (mins) {
+        IV hi = izero(), lo = izero();
+        for (int q = 0; q < pairs; ++q) {
+          const IV m = iset1(w.mins[wb * pairs + q]);
+          hi = dot2(hi, m, ks[2 * q]);
+          lo = dot2(lo, m, ks[2 * q + 1]);
+        }
+        term2 = add32(slli32(hi, 12), lo);
+      } else {
+        term2 = combine(c[3][t], c[4][t], c[5][t]);
+      }
       const FV d_unit = mul(fset1(w.d[wb]), unit);
       const FV f2 = mins ? mul(fset1(-w.dmin[wb]), unit) : d_unit;
       sum[t] = fma(to_fp32(term1), d_unit, sum[t]);

@@ -45,7 +45,7 @@
 // the range's rows of W in turn, so x's group stays in L1 and W streams from memory once, then from
 // L2 (with two rows of W, the next two prefetched meanwhile; one row is a sequential stream the
 // hardware prefetcher follows, helped on Intel cores by column_range's prefetches); from
-// kPanelMinRows rows of x on, quant_panel.h (the superblock_int formats from kAmxMinRows rows on,
+// kPanelMinRows rows of x on, quant_panel.h (the superblock_int formats from amx_min_rows rows on,
 // where amx_usable, quant_amx.h).
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
@@ -124,6 +124,10 @@ struct Activations {
   // .. 4i + 3 of each row of the group, the 32-value chunks in kAmxOrder.
   std::vector<int8_t, LineAligned<int8_t>> pxh;
   std::vector<uint8_t, LineAligned<uint8_t>> pxl;
+  // With them, for the formats with mins: each sub-block's k_c times its sum of qx (KS: 32 values
+  // for q4_k and q5_k, 16 for q2_k), as KS = 4096 hi + lo (hi = KS >> 12, lo = KS & 4095), in int16
+  // pairs of sub-blocks: [groups, Kp / 256, pairs, 2 (hi, lo), kPanelRows] int32, each lane the pair.
+  std::vector<int32_t> pks;
 };
 
 constexpr int kPanelRows = kVecValues / 4;  // rows of x per panel group: one int32 lane of a vector each
@@ -175,6 +179,7 @@ inline void size_activations(Activations& a, int64_t M, int64_t Kp, int qtype) {
   a.psums.clear();
   a.pxh.clear();
   a.pxl.clear();
+  a.pks.clear();
 }
 
 // Rows [m_begin, m_end) of x [.., K] into a (sized by size_activations for the same qtype). The
@@ -237,20 +242,38 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
 
 #if defined(NANOSERVE_AMX)
 constexpr int kAmxSteps = 4;  // AMX tile steps of 64 values a super-block
-// Rows of x from which the superblock_int formats' products take AMX tiles: two panel groups (at one,
-// unpacking W's bands for the tiles costs what the tiles save; measured, docs/quantization.md).
-constexpr int kAmxMinRows = kPanelRows + 1;
+// Rows of x from which a superblock_int format's products take AMX tiles: the formats with mins
+// from two panel groups on (at one, unpacking W's bands for the tiles costs about what the tiles
+// save), q6_k and q3_k from kPanelMinRows on (faster from there; measured, docs/quantization.md).
+constexpr int amx_min_rows(int qtype) { return has_mins(qtype) ? kPanelRows + 1 : kPanelMinRows; }
 // The place of chunk c (32 values) of a super-block in the tiles' order: the even chunks first (steps
 // 0 and 1), then the odd ones (steps 2 and 3), so that each of the offset formats' two terms
 // (kTerm2Group: the odd chunks' groups are term2's) is whole steps.
 constexpr int kAmxOrder(int c) { return (c % 2) * 4 + c / 2; }
 
-// Row r of x (q256, k16, unit: quantize_rows') into a's AMX fields (see Activations).
+// Values per min of a format with mins (superblock_int): q2_k's per 16, q4_k's and q5_k's per 32.
+constexpr int amx_min_values(int qtype) { return qtype == kQ2_K ? 16 : 32; }
+
+// Row r of x (q256, k16, sums16, unit: quantize_rows') into a's AMX fields (see Activations).
 inline void amx_panel_row(Activations& a, int64_t r) {
   const int64_t Kp = a.Kp, blocks = Kp / 256, grp = r / kPanelRows, lane = r % kPanelRows;
+  const int sub = amx_min_values(a.qtype), pairs = 128 / sub;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = grp * blocks + b;
     a.punit[at * kPanelRows + lane] = a.unit[r * blocks + b];
+    const int16_t* k16 = a.k16.data() + r * (Kp / 16) + b * 16;
+    const int16_t* sums16 = a.sums16.data() + r * (Kp / 16) + b * 16;
+    for (int p = 0; has_mins(a.qtype) && p < pairs; ++p) {
+      uint32_t hi = 0, lo = 0;
+      for (int j = 0; j < 2; ++j) {  // sub-block 2p + j: its first group of 16 values, i
+        const int i = (2 * p + j) * sub / 16;
+        const int32_t ks = k16[i] * (sub == 32 ? sums16[i] + sums16[i + 1] : sums16[i]);
+        hi |= static_cast<uint32_t>(static_cast<uint16_t>(ks >> 12)) << (16 * j);
+        lo |= static_cast<uint32_t>(ks & 4095) << (16 * j);
+      }
+      a.pks[((at * pairs + p) * 2) * kPanelRows + lane] = static_cast<int32_t>(hi);
+      a.pks[((at * pairs + p) * 2 + 1) * kPanelRows + lane] = static_cast<int32_t>(lo);
+    }
     for (int c = 0; c < 8; ++c) {
       const __m512i q = _mm512_cvtepi8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q256.data() + r * Kp + b * 256 + c * kChunk)));
@@ -276,9 +299,10 @@ inline void size_panel(Activations& a, int64_t M) {
   const int64_t blocks = superblock_int(a.qtype) ? Kp / 256 : Kp / kChunk;  // punit's per row
   a.punit.assign(groups * blocks * kPanelRows, 0.0f);
 #if defined(NANOSERVE_AMX)
-  if (superblock_int(a.qtype) && M >= kAmxMinRows && amx_usable()) {
+  if (superblock_int(a.qtype) && M >= amx_min_rows(a.qtype) && amx_usable()) {
     a.pxh.assign(groups * Kp * kPanelRows, 0);
     a.pxl.assign(groups * Kp * kPanelRows, 0);
+    a.pks.assign(has_mins(a.qtype) ? groups * blocks * 256 / amx_min_values(a.qtype) * kPanelRows : 0, 0);
     a.pq.clear();
     a.pk.clear();
     a.psums.clear();

@@ -1,7 +1,7 @@
 // The quantized products with kPanelMinRows rows of x or more, every format (the superblock_int ones,
 // q4_k, q5_k, q6_k, q3_k, q2_k, and exact_chunks, the others): an outer-product micro-kernel in the
 // manner of a GEMM's, where superblock_dot and exact_chunk_dot take one (row of W, row of x) pair at
-// a time. (On a CPU with AMX-INT8, the superblock_int formats' products from kAmxMinRows rows on
+// a time. (On a CPU with AMX-INT8, the superblock_int formats' products from amx_min_rows rows on
 // take quant_amx.h's tiles instead; the same bits.)
 //
 // Private to the products' translation units (included by quant_dot.h only, after Activations and

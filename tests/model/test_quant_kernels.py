@@ -232,13 +232,13 @@ def test_products_are_the_same_bits_on_every_vector_path(fmt: str) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_s_rows_do_not_depend_on_the_other_rows(fmt: str, dtype: torch.dtype) -> None:
     """Batch invariance for each block format: CpuLayerOps.linear and .logits give a row the same
-    bits alone, among 3, 33 or 128 rows or among 140 (one arithmetic for any number of rows;
+    bits alone, among 3, 9, 16, 33 or 128 rows or among 140 (one arithmetic for any number of rows;
     quant_panel.h unpacks W band by band while x's rows fit one block of its kernel, at this K up
     to 128 rows with 512-bit vectors and 64 with 256, and once for all of x's blocks past that; on
     a CPU with AMX the superblock formats' 33, 128 and 140 rows take quant_amx.h's tiles, the last
-    past one block, and 67 rows of W end in a partial band of its 16), and the fp32 logits rounded
-    to the dtype are linear's output. (The 32-value formats: 17 blocks, an odd count with a tail
-    past every whole step.)"""
+    past one block, q6_k's and q3_k's 9 and 16 rows too, and 67 rows of W end in a partial band of
+    its 16), and the fp32 logits rounded to the dtype are linear's output. (The 32-value formats:
+    17 blocks, an odd count with a tail past every whole step.)"""
     lib = load_cpu_kernels()
     assert lib is not None
     ops = CpuLayerOps(lib)
@@ -248,7 +248,7 @@ def test_every_format_s_rows_do_not_depend_on_the_other_rows(fmt: str, dtype: to
     rows = torch.from_numpy(rng.standard_normal((140, k)).astype(np.float32)).to(dtype)
     whole, logits = ops.linear(rows, w), ops.logits(rows, w)
     assert logits.dtype == torch.float32
-    for m in (1, 3, 33, 128):
+    for m in (1, 3, 9, 16, 33, 128):
         assert torch.equal(ops.linear(rows[:m], w), whole[:m]), m
         assert torch.equal(ops.logits(rows[:m], w), logits[:m]), m
     assert torch.equal(torch.cat([ops.linear(rows[i:i + 1], w) for i in range(140)]), whole)
