@@ -56,8 +56,9 @@ def main() -> None:
         raise SystemExit("no CPU kernel library could be loaded or built")
     ops = CpuLayerOps(lib)
     machine = machine_info()
+    amx = lib.nanoserve_quant_amx() if hasattr(lib, "nanoserve_quant_amx") else "none (a library from before them)"
     print(f"CPU {machine['cpu']} ({', '.join(machine['flags'])}), load average {machine['load_before']}; "
-          f"quant isa {lib.nanoserve_quant_isa()}, AMX tiles {lib.nanoserve_quant_amx()}")
+          f"quant isa {lib.nanoserve_quant_isa()}, AMX tiles {amx}")
     tensors = {t.name: t for t in GGUFReader(args.file).tensors}
     gen = torch.Generator().manual_seed(0)
     for name in args.tensors.split(","):
