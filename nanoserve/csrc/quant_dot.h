@@ -244,7 +244,7 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
 constexpr int kAmxSteps = 4;  // AMX tile steps of 64 values a super-block
 // Rows of x from which a superblock_int format's products take AMX tiles: the formats with mins
 // from two panel groups on (at one, unpacking W's bands for the tiles costs about what the tiles
-// save), q6_k and q3_k from kPanelMinRows on (faster from there; measured, docs/quantization.md).
+// save), q6_k and q3_k from kPanelMinRows on (faster from there; measured, docs/benchmarks.md).
 constexpr int amx_min_rows(int qtype) { return has_mins(qtype) ? kPanelRows + 1 : kPanelMinRows; }
 // The place of chunk c (32 values) of a super-block in the tiles' order: the even chunks first (steps
 // 0 and 1), then the odd ones (steps 2 and 3), so that each of the offset formats' two terms
