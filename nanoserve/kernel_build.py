@@ -10,9 +10,9 @@ Variants. Each kernel chooses its path when it is compiled (AVX2; AVX512 with VN
 x86-64 the package build compiles one library per instruction-set level (`X86_VARIANTS`) and
 `native.py` loads, at run time, the first one whose CPU flags this CPU has. The one choice made at
 run time: the AVX512 variant is also compiled with AMX-INT8, which the k-quant products of many
-rows take where the CPU has it and the OS grants it (quant_amx.h; the same bits as without). On any other machine it compiles one library for
-the CPU it runs on (`-march=native`), which needs that CPU's flags at run time. A CPU below every
-variant (no AVX2) gets the on-demand native build.
+rows take where the CPU has it and the OS grants it (quant_amx.h; the same bits as without). On any
+other machine it compiles one library for the CPU it runs on (`-march=native`), which needs that
+CPU's flags at run time. A CPU below every variant (no AVX2) gets the on-demand native build.
 
 Invariants: a prebuilt folder holds the libraries and a `manifest.json` naming the hash of the
 sources and flags they were built from (`source_hash`) and, best first, each variant's file and
