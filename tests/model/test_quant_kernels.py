@@ -70,17 +70,26 @@ def test_each_build_runs_the_path_its_flags_select(build: tuple[str, ctypes.CDLL
     expected = {"native": native, "no-vnni": 1, "no-avx2": 0}[name]
     assert lib.nanoserve_quant_isa() == expected, ISA_NAMES[lib.nanoserve_quant_isa()]
     # The AMX tiles: in the native build where this CPU has them (the older ISAs' builds have none).
-    assert lib.nanoserve_quant_amx() == (name == "native" and {"amx_tile", "amx_int8"} <= flags)
+    assert lib.nanoserve_quant_amx() == (name == "native" and amx_granted())
+
+
+def amx_granted() -> bool:
+    """Whether this CPU has AMX-INT8 and Linux lets this process use it (ARCH_REQ_XCOMP_PERM for
+    XTILEDATA, which the kernels ask too; asking again is harmless)."""
+    if not {"amx_tile", "amx_int8"} <= cpu_flags():
+        return False
+    sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18  # x86-64
+    return ctypes.CDLL(None, use_errno=True).syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0
 
 
 def test_the_installed_kernels_take_amx_tiles_where_the_cpu_has_them() -> None:
     """The library nanoserve loads (the package build's AVX512 variant here, or a build for this CPU)
-    runs the superblock formats' many-row products on AMX-INT8 tiles exactly where the CPU has them:
-    so on such a CPU the batch invariance and accuracy tests below check that path, and elsewhere
-    the AVX512-VNNI / AVX2 micro-kernel (quant_panel.h)."""
+    runs the superblock formats' many-row products on AMX-INT8 tiles exactly where the CPU has them
+    and the OS grants them: so on such a machine the batch invariance and accuracy tests below
+    check that path, and elsewhere the AVX512-VNNI / AVX2 micro-kernel (quant_panel.h)."""
     lib = load_cpu_kernels()
     assert lib is not None
-    assert lib.nanoserve_quant_amx() == ({"amx_tile", "amx_int8"} <= cpu_flags())
+    assert lib.nanoserve_quant_amx() == amx_granted()
 
 
 def random_blocks(fmt: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
