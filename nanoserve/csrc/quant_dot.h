@@ -263,21 +263,22 @@ inline void amx_panel_row(Activations& a, int64_t r) {
     a.punit[at * kPanelRows + lane] = a.unit[r * blocks + b];
     const int16_t* k16 = a.k16.data() + r * (Kp / 16) + b * 16;
     const int16_t* sums16 = a.sums16.data() + r * (Kp / 16) + b * 16;
-    for (int p = 0; has_mins(a.qtype) && p < pairs; ++p) {
-      uint32_t hi = 0, lo = 0;
-      for (int j = 0; j < 2; ++j) {  // sub-block 2p + j: its first group of 16 values, i
-        const int i = (2 * p + j) * sub / 16;
-        const int32_t ks = k16[i] * (sub == 32 ? sums16[i] + sums16[i + 1] : sums16[i]);
-        hi |= static_cast<uint32_t>(static_cast<uint16_t>(ks >> 12)) << (16 * j);
-        lo |= static_cast<uint32_t>(ks & 4095) << (16 * j);
+    if (has_mins(a.qtype))
+      for (int p = 0; p < pairs; ++p) {
+        uint32_t hi = 0, lo = 0;
+        for (int j = 0; j < 2; ++j) {  // sub-block 2p + j: its first group of 16 values, i
+          const int i = (2 * p + j) * sub / 16;
+          const int32_t ks = k16[i] * (sub == 32 ? sums16[i] + sums16[i + 1] : sums16[i]);
+          hi |= static_cast<uint32_t>(static_cast<uint16_t>(ks >> 12)) << (16 * j);
+          lo |= static_cast<uint32_t>(ks & 4095) << (16 * j);
+        }
+        a.pks[((at * pairs + p) * 2) * kPanelRows + lane] = static_cast<int32_t>(hi);
+        a.pks[((at * pairs + p) * 2 + 1) * kPanelRows + lane] = static_cast<int32_t>(lo);
       }
-      a.pks[((at * pairs + p) * 2) * kPanelRows + lane] = static_cast<int32_t>(hi);
-      a.pks[((at * pairs + p) * 2 + 1) * kPanelRows + lane] = static_cast<int32_t>(lo);
-    }
     for (int c = 0; c < 8; ++c) {
       const __m512i q = _mm512_cvtepi8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q256.data() + r * Kp + b * 256 + c * kChunk)));
-      const __m512i x = _mm512_mullo_epi16(q, _mm512_set1_epi16(a.k16[r * (Kp / 16) + b * 16 + 2 * c]));
+      const __m512i x = _mm512_mullo_epi16(q, _mm512_set1_epi16(k16[2 * c]));
       alignas(32) int32_t h[8], l[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi16_epi8(_mm512_srai_epi16(x, 6)));
       _mm256_store_si256(reinterpret_cast<__m256i*>(l), _mm512_cvtepi16_epi8(_mm512_and_si512(x, _mm512_set1_epi16(63))));
