@@ -13,12 +13,16 @@
 // for each KV head serving all the query heads that share it (GQA) and all the tile's tokens, while
 // the item's queries and accumulators stay in L1/L2. Softmax is online (flash-decoding): per block
 // and row, the scores, one rescale of the accumulator, then the weighted sum of the block's values,
-// all in fp32. A bf16 cache's scores come, where the build has AVX512-BF16, from vdpbf16ps on the
-// stored bf16 query and keys (the scale applied to each sum), elsewhere from fp32 FMAs on widened
-// values; its values are widened to fp32 (once per block into a buffer when kWidenRows rows or more
-// use them, else at each use: the same floats), and only the result is rounded to bf16. A row's
-// arithmetic does not depend on how its sequence was tiled or its heads split. The running maxima
-// start at a finite sentinel, so no infinity enters the arithmetic.
+// all in fp32, the softmax's vectors of 16 with AVX-512. A bf16 cache's scores come, where the build
+// has AVX512-BF16, from vdpbf16ps on the stored bf16 query and keys (the scale applied to each sum)
+// in one order of operations whatever the rows (a decode's few rows key by key, 16 keys' partial
+// sums reduced together; a tile's many against the block's keys transposed once); elsewhere from fp32
+// FMAs on widened values. Its values are widened to fp32 (once per block into a buffer when
+// kWidenRows rows or more use them, else at each use, once for all the rows of a KV head that a
+// pass holds: the same floats), and only the result is rounded to bf16. A row's arithmetic does not
+// depend on how its sequence was tiled or its heads split (a decode's row equals the same row in a
+// prefill chunk, bit for bit). The running maxima start at a finite sentinel, so no infinity enters
+// the arithmetic.
 //
 // Layouts: q [num_tokens, num_heads, head_dim] with its tokens q_stride elements apart (q may be
 // the q columns of a fused qkv tensor); everything else contiguous: out [num_tokens, num_heads,
@@ -97,44 +101,127 @@ inline void dot_keys(const vec8* q, const Rows<E, NVEC>& k, int n, float* s) {
 template <typename T>
 constexpr bool kBf16Scores = std::is_same_v<T, uint16_t>;
 
-// s[t] = scale * (q . k[t]) for t < n, the query q and each key read as stored, in vectors of 32
-// bfloat16 values (NVEC / 4 a head); four keys at a time, four independent chains.
+// The bf16 scores of up to 16 keys at a time, in one order of operations whichever of the two forms
+// below computes them, so that a row's scores do not depend on how many rows share its KV head (a
+// decode's few rows take the first form, a prefill tile's many the second): accumulator l of 16
+// (l = 0..15) starts at zero and takes, by vdpbf16ps, the query-key products of the head's bfloat16
+// pairs l, l + 16, l + 32, ... in that order; then B_l = A_l + A_{l+8}, C_l = B_l + B_{l+4}, D_l =
+// C_l + C_{l+2}, and the score is (D_0 + D_1) times the scale.
+inline __m512bh bf16x32(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// Lane t of the result: the accumulators of key t, a[t]'s 16 lanes, summed in the order above.
+inline __m512 lane_sums(const __m512* a) {
+  const auto lo64 = [](__m512 x, __m512 y) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)));
+  };
+  const auto hi64 = [](__m512 x, __m512 y) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)));
+  };
+  __m512 c[4];  // c[m]'s 128-bit lane j: C_0..C_3 of key 4j + m
+  for (int m = 0; m < 4; ++m) {
+    const __m512 x = a[m], y = a[4 + m], z = a[8 + m], w = a[12 + m];
+    const __m512 bxy = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    const __m512 bzw = _mm512_add_ps(_mm512_shuffle_f32x4(z, w, 0x44), _mm512_shuffle_f32x4(z, w, 0xEE));
+    c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(bxy, bzw, 0x88), _mm512_shuffle_f32x4(bxy, bzw, 0xDD));
+  }
+  const __m512 d01 = _mm512_add_ps(lo64(c[0], c[1]), hi64(c[0], c[1]));  // D_0, D_1 of keys 4j, 4j + 1
+  const __m512 d23 = _mm512_add_ps(lo64(c[2], c[3]), hi64(c[2], c[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(d01, d23, 0x88), _mm512_shuffle_ps(d01, d23, 0xDD));
+}
+
+// First form, key by key: s[t] = scale * (q . k[t]) for t < n <= 16 (s has 16 places; those from n
+// on are zeros times the scale), the query and the keys read as stored; four keys at a time.
 template <int NVEC>
-inline void dot_keys(const uint16_t* q, const Rows<uint16_t, NVEC>& k, int n, float scale, float* s) {
-  constexpr int QN = NVEC / 4;
-  const auto bf16x32 = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
+inline void scores_by_key(const uint16_t* q, const Rows<uint16_t, NVEC>& k, int n, float scale, float* s) {
+  constexpr int QN = NVEC / 4;  // vectors of 32 bfloat16 values a head
   const auto key = [&](int t, int j) { return bf16x32(k.base + t * k.stride + j * 32); };
-  int t = 0;
-  for (; t + 4 <= n; t += 4) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m512 a[16];
+  for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+  for (int t = 0; t < n; t += 4) {  // keys past n in the last four: computed, then dropped
+    __m512 a0 = a[t], a1 = a0, a2 = a0, a3 = a0;
     for (int j = 0; j < QN; ++j) {
       const __m512bh qj = bf16x32(q + j * 32);
       a0 = _mm512_dpbf16_ps(a0, qj, key(t, j));
-      a1 = _mm512_dpbf16_ps(a1, qj, key(t + 1, j));
-      a2 = _mm512_dpbf16_ps(a2, qj, key(t + 2, j));
-      a3 = _mm512_dpbf16_ps(a3, qj, key(t + 3, j));
+      if (t + 1 < n) a1 = _mm512_dpbf16_ps(a1, qj, key(t + 1, j));
+      if (t + 2 < n) a2 = _mm512_dpbf16_ps(a2, qj, key(t + 2, j));
+      if (t + 3 < n) a3 = _mm512_dpbf16_ps(a3, qj, key(t + 3, j));
     }
-    s[t] = _mm512_reduce_add_ps(a0) * scale, s[t + 1] = _mm512_reduce_add_ps(a1) * scale;
-    s[t + 2] = _mm512_reduce_add_ps(a2) * scale, s[t + 3] = _mm512_reduce_add_ps(a3) * scale;
+    a[t] = a0, a[t + 1] = a1, a[t + 2] = a2, a[t + 3] = a3;
   }
-  for (; t < n; ++t) {
-    __m512 a = _mm512_setzero_ps();
-    for (int j = 0; j < QN; ++j) a = _mm512_dpbf16_ps(a, bf16x32(q + j * 32), key(t, j));
-    s[t] = _mm512_reduce_add_ps(a) * scale;
+  _mm512_storeu_ps(s, _mm512_mul_ps(lane_sums(a), _mm512_set1_ps(scale)));
+}
+
+// out[c] holds column c of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15] (r is
+// overwritten).
+inline void transpose16(__m512i* r, __m512i* out) {
+  __m512i u[16];
+  for (int i = 0; i < 8; ++i) {  // u[2i], 128-bit lane c: elements 4c, 4c + 1 of rows 2i, 2i + 1
+    u[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    u[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + e], lane c: element 4c + e of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(u[4 * i], u[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(u[4 * i], u[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(u[4 * i + 1], u[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(u[4 * i + 1], u[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88), x1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xDD);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xDD);
+    out[e] = _mm512_shuffle_i32x4(x0, y0, 0x88), out[8 + e] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    out[4 + e] = _mm512_shuffle_i32x4(x1, y1, 0x88), out[12 + e] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
   }
 }
+
+// The second form's keys (and the tiles' queries): kt[p] holds bfloat16 pair p of rows 0..15 of k
+// (zeros for rows n and above), for the 16 QN pairs of a head; a 16 x 16 transpose of 32-bit pairs
+// per 32 values.
+template <int NVEC>
+inline void transpose_keys(const Rows<uint16_t, NVEC>& k, int n, __m512i* kt) {
+  constexpr int QN = NVEC / 4;
+  for (int j = 0; j < QN; ++j) {
+    __m512i r[16];
+    for (int t = 0; t < 16; ++t)
+      r[t] = t < n ? _mm512_loadu_si512(k.base + t * k.stride + j * 32) : _mm512_setzero_si512();
+    transpose16(r, kt + j * 16);
+  }
+}
+
+// Second form, 16 keys at once from transposed keys: s[t] = scale * (q . k[t]) for t < 16, each
+// query pair broadcast against the 16 keys' pairs, the same operations lane by lane as the first.
+template <int NVEC>
+inline void scores_transposed(const uint16_t* q, const __m512i* kt, float scale, float* s) {
+  constexpr int QN = NVEC / 4;
+  __m512 a[16];
+  for (int l = 0; l < 16; ++l) a[l] = _mm512_setzero_ps();
+  for (int j = 0; j < QN; ++j)
+    for (int l = 0; l < 16; ++l) {
+      int32_t pair;
+      std::memcpy(&pair, q + 2 * (16 * j + l), sizeof pair);
+      a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)kt[16 * j + l]);
+    }
+  for (int l = 0; l < 8; ++l) a[l] = _mm512_add_ps(a[l], a[l + 8]);
+  for (int l = 0; l < 4; ++l) a[l] = _mm512_add_ps(a[l], a[l + 4]);
+  for (int l = 0; l < 2; ++l) a[l] = _mm512_add_ps(a[l], a[l + 2]);
+  _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_add_ps(a[0], a[1]), _mm512_set1_ps(scale)));
+}
+
 #else
 template <typename T>
 constexpr bool kBf16Scores = false;
 #endif
 
-// acc = acc * rescale + sum_t p[t] v[t] for t < n, each value's operations the same on every path
-// (the product by rescale, then one FMA per t in order): with AVX-512 in vectors of 16 floats, eight
-// of the row at a time kept in registers across the block's values (half the instructions of the
-// vectors of eight, the same arithmetic); else eight vectors of eight at a time.
-template <typename E, int NVEC>
-inline void accumulate_values(vec8* acc, const Rows<E, NVEC>& v, const float* p, float rescale, int n) {
+// For each of `rows` rows r: acc_r = acc_r * rescale[r] + sum_t p_r[t] v[t] for t < n (acc_r at acc +
+// r * NVEC, p_r at p + r * p_stride), each value's operations the same on every path and whatever the
+// rows (the product by rescale, then one FMA per t in order). With AVX-512 in vectors of 16 floats,
+// up to eight of a row at a time kept in registers across the block's values, for as many rows
+// together as 16 registers hold (each value read, and a bfloat16 one widened, once for them all);
+// else eight vectors of eight at a time, row by row.
 #if defined(__AVX512F__)
+template <int R, typename E, int NVEC>
+inline void accumulate_rows(float* acc, const Rows<E, NVEC>& v, const float* p, int64_t p_stride,
+                            const float* rescale, int n) {
   static_assert(NVEC % 2 == 0, "head sizes are multiples of 16");
   constexpr int kWide = NVEC / 2, kChunk = kWide < 8 ? kWide : 8;  // vectors of 16 a row, a pass's
   static_assert(kWide % kChunk == 0, "head sizes are 32 or multiples of 64");
@@ -146,28 +233,52 @@ inline void accumulate_values(vec8* acc, const Rows<E, NVEC>& v, const float* p,
       return _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
   };
-  float* out = reinterpret_cast<float*>(acc);
   for (int j = 0; j < kWide; j += kChunk) {
-    __m512 c[kChunk];
-    for (int i = 0; i < kChunk; ++i) c[i] = _mm512_mul_ps(_mm512_loadu_ps(out + (j + i) * 16), _mm512_set1_ps(rescale));
+    __m512 c[R][kChunk];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kChunk; ++i)
+        c[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * NVEC * kLanes + (j + i) * 16), _mm512_set1_ps(rescale[r]));
     for (int t = 0; t < n; ++t) {
-      const __m512 pt = _mm512_set1_ps(p[t]);
-      for (int i = 0; i < kChunk; ++i) c[i] = _mm512_fmadd_ps(pt, at(t, j + i), c[i]);
+      __m512 pt[R];
+      for (int r = 0; r < R; ++r) pt[r] = _mm512_set1_ps(p[r * p_stride + t]);
+      for (int i = 0; i < kChunk; ++i) {
+        const __m512 vi = at(t, j + i);
+        for (int r = 0; r < R; ++r) c[r][i] = _mm512_fmadd_ps(pt[r], vi, c[r][i]);
+      }
     }
-    for (int i = 0; i < kChunk; ++i) _mm512_storeu_ps(out + (j + i) * 16, c[i]);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kChunk; ++i) _mm512_storeu_ps(acc + r * NVEC * kLanes + (j + i) * 16, c[r][i]);
   }
+}
+
+template <typename E, int NVEC>
+inline void accumulate_values(vec8* acc, const Rows<E, NVEC>& v, const float* p, int64_t p_stride,
+                              const float* rescale, int rows, int n) {
+  constexpr int kChunk = NVEC / 2 < 8 ? NVEC / 2 : 8, kRows = 16 / kChunk;  // rows sharing each value
+  float* out = reinterpret_cast<float*>(acc);
+  const auto row = [&](int r) { return out + r * NVEC * kLanes; };
+  int r = 0;
+  for (; r + kRows <= rows; r += kRows) accumulate_rows<kRows>(row(r), v, p + r * p_stride, p_stride, rescale + r, n);
+  if constexpr (kRows > 2)
+    for (; r + 2 <= rows; r += 2) accumulate_rows<2>(row(r), v, p + r * p_stride, p_stride, rescale + r, n);
+  for (; r < rows; ++r) accumulate_rows<1>(row(r), v, p + r * p_stride, p_stride, rescale + r, n);
+}
 #else
+template <typename E, int NVEC>
+inline void accumulate_values(vec8* acc, const Rows<E, NVEC>& v, const float* p, int64_t p_stride,
+                              const float* rescale, int rows, int n) {
   constexpr int kChunk = NVEC < 8 ? NVEC : 8;
   static_assert(NVEC % kChunk == 0, "head sizes are 32 or multiples of 64");
-  for (int j = 0; j < NVEC; j += kChunk) {
-    vec8 c[kChunk];
-    for (int i = 0; i < kChunk; ++i) c[i] = acc[j + i] * rescale;
-    for (int t = 0; t < n; ++t)
-      for (int i = 0; i < kChunk; ++i) c[i] += p[t] * v.at(t, j + i);
-    for (int i = 0; i < kChunk; ++i) acc[j + i] = c[i];
-  }
-#endif
+  for (int r = 0; r < rows; ++r, acc += NVEC, p += p_stride)
+    for (int j = 0; j < NVEC; j += kChunk) {
+      vec8 c[kChunk];
+      for (int i = 0; i < kChunk; ++i) c[i] = acc[j + i] * rescale[r];
+      for (int t = 0; t < n; ++t)
+        for (int i = 0; i < kChunk; ++i) c[i] += p[t] * v.at(t, j + i);
+      for (int i = 0; i < kChunk; ++i) acc[j + i] = c[i];
+    }
 }
+#endif
 
 template <typename T>
 inline void load_query(const T* src, float scale, vec8* dst, int nvec);
@@ -178,6 +289,45 @@ inline void load_query(const float* src, float scale, vec8* dst, int nvec) {
 template <>
 inline void load_query(const uint16_t* src, float scale, vec8* dst, int nvec) {
   for (int j = 0; j < nvec; ++j) dst[j] = load8(src + j * kLanes) * scale;
+}
+
+// Scores are handled in vectors of 16 where the build has AVX-512, else of 8 (`scores` has room for
+// whole vectors of 16).
+#if defined(__AVX512F__)
+using Scores = vec16;
+#else
+using Scores = vec8;
+#endif
+
+// The online softmax's step over one block: s[t] for t < visible become e^(s[t] - m') (m' the new
+// running maximum, max(m, s[t])), the lanes past them zeros; l becomes l * e^(m - m') + their sum and
+// m becomes m'; returns e^(m - m'), by which the row's accumulator is rescaled (exactly 1 when the
+// maximum stays).
+template <typename V>
+inline float softmax_block(float* s, int visible, float& m, float& l) {
+  constexpr int L = sizeof(V) / sizeof(float);
+  V lane;
+  for (int j = 0; j < L; ++j) lane[j] = static_cast<float>(j);
+  V top = V{} + m;
+  for (int t = 0; t < visible; t += L) {
+    V e;
+    std::memcpy(&e, s + t, sizeof e);
+    e = lane < static_cast<float>(visible - t) ? e : V{} + kMasked;  // past the visible keys
+    top = top > e ? top : e;
+  }
+  const float m_new = hmax(top);
+  const float rescale = m_new == m ? 1.0f : exp_nonpositive(V{} + (m - m_new))[0];
+  V sum = {};
+  for (int t = 0; t < visible; t += L) {
+    V e;
+    std::memcpy(&e, s + t, sizeof e);
+    e = lane < static_cast<float>(visible - t) ? exp_nonpositive(e - m_new) : V{};
+    std::memcpy(s + t, &e, sizeof e);
+    sum += e;
+  }
+  l = l * rescale + hsum(sum);
+  m = m_new;
+  return rescale;
 }
 
 // n rows of `bytes` bytes, `stride` elements of T apart from p, prefetched for reading into the cache
@@ -198,6 +348,10 @@ constexpr int64_t kTileTokens = 16;
 // values (and keys, without bf16 scores) are widened to float once into a buffer; below, at each
 // use (a widening load and a shift, against a store and a load per use from the buffer).
 constexpr int64_t kWidenRows = 4;
+
+// Query rows per KV head from which bf16 scores take each block's keys transposed (the second form:
+// a transpose per block and head, against a horizontal sum per row and 16 keys in the first).
+constexpr int64_t kTransposeRows = 8;
 
 // Attends the query rows of new tokens [tok_begin, tok_end) of one sequence and KV heads [kv_begin,
 // kv_end): row r is new token tok_begin + r / heads and query head kv_begin * group + r % heads (heads
@@ -227,7 +381,16 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
   std::vector<vec8> qv(kBf16Scores<T> ? 0 : static_cast<size_t>(rows) * NVEC);
   std::vector<uint16_t> qb(kBf16Scores<T> ? static_cast<size_t>(rows) * head_dim : 0);
   std::vector<vec8> acc(static_cast<size_t>(rows) * NVEC);
-  std::vector<float> m(rows, kMasked), l(rows, 0.0f), scores((block_size + kLanes - 1) / kLanes * kLanes);
+  // Row rho = tok * group + i of a KV head (its token tok, its query head i of the group) has its
+  // scores of one block at scores[rho * padded]: room for whole vectors of 16 (the bf16 forms' and
+  // the tiles' unit) and of kLanes.
+  const int64_t head_rows = tile_len * group, padded = (block_size + 15) / 16 * 16;
+  std::vector<float> m(rows, kMasked), l(rows, 0.0f), scores(head_rows * padded), rescale(group);
+#if defined(__AVX512BF16__)
+  // bf16 scores of many rows a KV head: each block's keys transposed once for them all.
+  const bool transposed = kBf16Scores<T> && head_rows >= kTransposeRows;
+  std::vector<__m512i> kt(transposed ? padded * NVEC / 4 : 0);
+#endif
   std::vector<vec8> kbuf(std::is_same_v<T, float> || kBf16Scores<T> ? 0 : block_size * NVEC);
   std::vector<vec8> vbuf(std::is_same_v<T, float> ? 0 : block_size * NVEC);
   const int64_t first_token = q_start + tok_begin;  // the tile's first row of q and of out
@@ -258,35 +421,44 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
         prefetch_rows<2>(next + v_plane, token_stride, block_size, head_bytes);
       }
       if (in_place_values) prefetch_rows<3>(vb, token_stride, n, head_bytes);
-      // The tile's rows of KV head h against its keys and values in this block.
+#if defined(__AVX512BF16__)
+      if constexpr (kBf16Scores<T>)
+        if (transposed)
+          for (int g = 0; g < n; g += 16)
+            transpose_keys(Rows<uint16_t, NVEC>{kb + g * token_stride, token_stride}, std::min(16, n - g),
+                           kt.data() + g * NVEC / 4);
+#endif
+      // The tile's rows of KV head h against its keys and values in this block: a token's rows of
+      // this head (the query heads that share it) scored, then their values accumulated together.
       const auto attend_head = [&](const auto& keys, const auto& values) {
         for (int64_t tok = 0; tok < tile_len; ++tok) {
           const int visible =
               static_cast<int>(std::clamp<int64_t>(first_limit + tok_begin + tok - first + 1, 0, n));
           if (visible == 0) continue;
           const int64_t row0 = tok * heads + (h - kv_begin) * group;
-          for (int64_t r = row0; r < row0 + group; ++r) {
-            float* s = scores.data();
-            if constexpr (kBf16Scores<T>)
-              dot_keys(qb.data() + r * head_dim, keys, visible, scale, s);
-            else
+          float* token_scores = scores.data() + tok * group * padded;
+          for (int64_t i = 0; i < group; ++i) {
+            const int64_t r = row0 + i;
+            float* s = token_scores + i * padded;
+#if defined(__AVX512BF16__)
+            if constexpr (kBf16Scores<T>) {
+              for (int g = 0; g < visible; g += 16) {
+                if (transposed)
+                  scores_transposed<NVEC>(qb.data() + r * head_dim, kt.data() + g * NVEC / 4, scale, s + g);
+                else
+                  scores_by_key(qb.data() + r * head_dim, Rows<uint16_t, NVEC>{keys.base + g * keys.stride, keys.stride},
+                                std::min(16, visible - g), scale, s + g);
+              }
+            } else {
               dot_keys(qv.data() + r * NVEC, keys, visible, s);
-            float m_new = m[r];
-            for (int t = 0; t < visible; ++t) m_new = std::max(m_new, s[t]);
-            const float rescale = exp_nonpositive(vec8{} + (m[r] - m_new))[0];
-            vec8 sum = {};
-            for (int t = 0; t < visible; t += kLanes) {  // `scores` has room for whole vectors
-              vec8 e;
-              std::memcpy(&e, s + t, sizeof e);
-              e = exp_nonpositive(e - m_new);
-              for (int i = visible - t; i < kLanes; ++i) e[i] = 0.0f;  // past the visible keys
-              std::memcpy(s + t, &e, sizeof e);
-              sum += e;
             }
-            l[r] = l[r] * rescale + hsum(sum);
-            m[r] = m_new;
-            accumulate_values(acc.data() + r * NVEC, values, s, rescale, visible);
+#else
+            dot_keys(qv.data() + r * NVEC, keys, visible, s);
+#endif
+            rescale[i] = softmax_block<Scores>(s, visible, m[r], l[r]);
           }
+          accumulate_values(acc.data() + row0 * NVEC, values, token_scores, padded, rescale.data(),
+                            static_cast<int>(group), visible);
         }
       };
       if constexpr (std::is_same_v<T, float>) {

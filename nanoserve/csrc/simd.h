@@ -85,26 +85,34 @@ inline vec8 round8(vec8 x, const uint16_t*) {
   return load8(h);
 }
 
+// Sixteen floats: one AVX-512 register (two AVX ones elsewhere).
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
 // e^x for x <= 0, lane by lane, within a few ulp: 2^n * e^r with n = round(x / ln 2) and a
 // degree-6 polynomial for e^r on [-ln2/2, ln2/2]. Below -87 it returns e^-87 (2^n stays normal).
-inline vec8 exp_nonpositive(vec8 x) {
-  x = x < -87.0f ? vec8{} - 87.0f : x;
-  const vec8 y = x * 1.44269504088896341f + 0.5f;
-  ivec8 n = __builtin_convertvector(y, ivec8);  // truncation; then floor for negative y
-  n += (__builtin_convertvector(n, vec8) > y);  // a true lane is -1
-  const vec8 nf = __builtin_convertvector(n, vec8);
-  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts
-  vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+// The same operations lane by lane at either width.
+template <typename V, typename I>
+inline V exp_nonpositive_lanes(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(y, I);  // truncation; then floor for negative y
+  n += (__builtin_convertvector(n, V) > y);  // a true lane is -1
+  const V nf = __builtin_convertvector(n, V);
+  const V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln 2 in two parts
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const ivec8 bits = (n + 127) << 23;
-  vec8 scale;
+  const I bits = (n + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+inline vec8 exp_nonpositive(vec8 x) { return exp_nonpositive_lanes<vec8, ivec8>(x); }
+inline vec16 exp_nonpositive(vec16 x) { return exp_nonpositive_lanes<vec16, ivec16>(x); }
 
 inline float hsum(vec8 v) {  // pairwise, in three shuffle-and-add steps
   typedef float vec4 __attribute__((vector_size(16)));
@@ -112,6 +120,25 @@ inline float hsum(vec8 v) {  // pairwise, in three shuffle-and-add steps
   x += __builtin_shufflevector(x, x, 2, 3, 0, 1);
   x += __builtin_shufflevector(x, x, 1, 0, 3, 2);
   return x[0];
+}
+
+inline float hsum(vec16 v) {  // the halves added, then as a vec8
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+inline float hmax(vec8 v) {  // the largest lane (of finite floats), in three shuffle-and-max steps
+  typedef float vec4 __attribute__((vector_size(16)));
+  const auto max4 = [](vec4 a, vec4 b) { return a > b ? a : b; };
+  vec4 x = max4(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  x = max4(x, __builtin_shufflevector(x, x, 2, 3, 0, 1));
+  x = max4(x, __builtin_shufflevector(x, x, 1, 0, 3, 2));
+  return x[0];
+}
+inline float hmax(vec16 v) {
+  const vec8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vec8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hmax(lo > hi ? lo : hi);
 }
 
 }  // namespace nanoserve
