@@ -1,9 +1,13 @@
 """POST /v1/completions: one engine request per prompt (a string, token ids, or a list of either),
 each with n samples; choice `i * n + j` is sample j of prompt i.
 
-Stream shape: `text_completion` chunks with text deltas, then per choice a chunk with empty text
-and the finish_reason; with include_usage a final chunk with empty choices and the usage; then
-[DONE]. With `echo` each choice's first chunk is its prompt.
+Stream shape: a `text_completion` chunk per engine step that gave a choice tokens (its text delta
+may be empty: tokens whose bytes complete no character yet, text held back while it may begin a stop
+string, a random-weight model's padding ids; as vLLM and llama-server stream them, so a client sees
+the first token when it is made), then per choice a chunk with empty text and the finish_reason
+(the step that finishes a choice gives a chunk before it only with text or logprobs); with
+include_usage a final chunk with empty choices and the usage; then [DONE]. With `echo` each choice's
+first chunk is its prompt.
 
 With `prompt_logprobs=k` (vLLM's field; not with streaming), every choice carries its prompt's
 `prompt_logprobs`: None for the first token, then per prompt token a map from token id (as a
@@ -160,7 +164,7 @@ async def _events(serving: Serving, stream: OutputStream, tok: Tokenizer, choice
                     entries = _entries(tok, d)
                     logprobs = _logprobs(entries, offsets[index])
                     offsets[index] += sum(len(e[0]) for e in entries)
-                if d.text or logprobs:
+                if d.text or logprobs or (d.token_ids and not d.finished):
                     yield chunk(index, d.text, logprobs)
                 if d.finished:
                     yield chunk(index, "", finish_reason=d.finish_reason)

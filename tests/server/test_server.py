@@ -131,6 +131,24 @@ def test_stop_string_is_held_back_and_cut(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_completion_stream_has_a_chunk_per_step_even_without_text(url: str, engine: LLMEngine) -> None:
+    """A step whose token has no text yet (here a special token, skipped in the text) still streams
+    a chunk, as vLLM and llama-server do, so a client sees the first token when it is made; the
+    finishing step's chunk is the finish chunk."""
+    tok = engine.tokenizer
+    assert tok is not None
+    added = tok.backend.get_added_tokens_decoder()
+    silent = next(i for i in sorted(added) if tok.is_special(i) and i not in tok.stop_token_ids)
+    assert tok.decode([silent]) == ""
+    body = {"model": SERVED, "prompt": "Once upon", "max_tokens": 5, "stream": True, "logit_bias": {silent: 100},
+            **LONG, **GREEDY}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200
+    choices = [p["choices"][0] for p in sse_payloads(r.content) if p.get("choices")]
+    assert [c["text"] for c in choices] == [""] * 5
+    assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
+
+
 def test_prompts_n_and_logprobs(client: openai.OpenAI) -> None:
     out = client.completions.create(model=SERVED, prompt=["one", "two three"], n=2, max_tokens=4, logprobs=2,
                                     seed=7, extra_body=LONG)
