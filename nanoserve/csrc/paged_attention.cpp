@@ -174,9 +174,8 @@ inline void transpose16(__m512i* r, __m512i* out) {
   }
 }
 
-// The second form's keys (and the tiles' queries): kt[p] holds bfloat16 pair p of rows 0..15 of k
-// (zeros for rows n and above), for the 16 QN pairs of a head; a 16 x 16 transpose of 32-bit pairs
-// per 32 values.
+// The second form's keys: kt[p] holds bfloat16 pair p of keys 0..15 (zeros for keys n and above),
+// for the 16 QN pairs of a head; a 16 x 16 transpose of 32-bit pairs per 32 values.
 template <int NVEC>
 inline void transpose_keys(const Rows<uint16_t, NVEC>& k, int n, __m512i* kt) {
   constexpr int QN = NVEC / 4;
@@ -381,14 +380,13 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
   std::vector<vec8> qv(kBf16Scores<T> ? 0 : static_cast<size_t>(rows) * NVEC);
   std::vector<uint16_t> qb(kBf16Scores<T> ? static_cast<size_t>(rows) * head_dim : 0);
   std::vector<vec8> acc(static_cast<size_t>(rows) * NVEC);
-  // Row rho = tok * group + i of a KV head (its token tok, its query head i of the group) has its
-  // scores of one block at scores[rho * padded]: room for whole vectors of 16 (the bf16 forms' and
-  // the tiles' unit) and of kLanes.
-  const int64_t head_rows = tile_len * group, padded = (block_size + 15) / 16 * 16;
-  std::vector<float> m(rows, kMasked), l(rows, 0.0f), scores(head_rows * padded), rescale(group);
+  // The scores of one block of a token's rows of one KV head (its query heads i of the group) at
+  // scores[i * padded]: room for whole vectors of 16 (the bf16 forms' unit) and of kLanes.
+  const int64_t padded = (block_size + 15) / 16 * 16;
+  std::vector<float> m(rows, kMasked), l(rows, 0.0f), scores(group * padded), rescale(group);
 #if defined(__AVX512BF16__)
   // bf16 scores of many rows a KV head: each block's keys transposed once for them all.
-  const bool transposed = kBf16Scores<T> && head_rows >= kTransposeRows;
+  const bool transposed = kBf16Scores<T> && tile_len * group >= kTransposeRows;
   std::vector<__m512i> kt(transposed ? padded * NVEC / 4 : 0);
 #endif
   std::vector<vec8> kbuf(std::is_same_v<T, float> || kBf16Scores<T> ? 0 : block_size * NVEC);
@@ -436,17 +434,17 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
               static_cast<int>(std::clamp<int64_t>(first_limit + tok_begin + tok - first + 1, 0, n));
           if (visible == 0) continue;
           const int64_t row0 = tok * heads + (h - kv_begin) * group;
-          float* token_scores = scores.data() + tok * group * padded;
           for (int64_t i = 0; i < group; ++i) {
             const int64_t r = row0 + i;
-            float* s = token_scores + i * padded;
+            float* s = scores.data() + i * padded;
 #if defined(__AVX512BF16__)
             if constexpr (kBf16Scores<T>) {
               for (int g = 0; g < visible; g += 16) {
                 if (transposed)
                   scores_transposed<NVEC>(qb.data() + r * head_dim, kt.data() + g * NVEC / 4, scale, s + g);
                 else
-                  scores_by_key(qb.data() + r * head_dim, Rows<uint16_t, NVEC>{keys.base + g * keys.stride, keys.stride},
+                  scores_by_key(qb.data() + r * head_dim,
+                                Rows<uint16_t, NVEC>{keys.base + g * keys.stride, keys.stride},
                                 std::min(16, visible - g), scale, s + g);
               }
             } else {
@@ -457,7 +455,7 @@ void attend_tile(const T* q, int64_t q_stride, const T* cache, T* out, const int
 #endif
             rescale[i] = softmax_block<Scores>(s, visible, m[r], l[r]);
           }
-          accumulate_values(acc.data() + row0 * NVEC, values, token_scores, padded, rescale.data(),
+          accumulate_values(acc.data() + row0 * NVEC, values, scores.data(), padded, rescale.data(),
                             static_cast<int>(group), visible);
         }
       };
