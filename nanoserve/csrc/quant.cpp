@@ -14,8 +14,9 @@
 // fp32 (no activation quantization). nanoserve_quant_isa reports which path the build takes.
 //
 // Structure (as linear.cpp): output columns shared among OpenMP threads in tasks of 64 rows of W,
-// each task quant_dot.h's column_range. Every product with a block-quantized W comes here, for any
-// number of rows of x: one arithmetic per weight format (activations quantized to 8 bits per block
+// each task quant_dot.h's column_range (below kPanelMinRows rows of x, SharedTasks: each thread's
+// stretch of tasks, then what is left of the others'). Every product with a block-quantized W comes
+// here, for any number of rows of x: one arithmetic per weight format (activations quantized to 8 bits per block
 // of 32, or per super-block for the k-quants), so each output is the same bits whatever else shares
 // the step (batch invariance: no switch to a GEMM on dequantized tiles past some number of rows,
 // which would sum other values in another order; the panel kernel and, on CPUs with AMX, the tile
@@ -26,8 +27,12 @@
 // output). Invariants: an entry point writes nothing unless it returns 1 (a type and K it takes,
 // row indices in range).
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "kernels.h"
@@ -41,6 +46,36 @@ constexpr int64_t kColumnsPerTask = 64;    // output columns per OpenMP work ite
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 
 #if defined(__AVX2__)
+
+// Tasks [0, n) of a parallel region's threads, cut into equal shares of consecutive tasks, one per
+// thread the region asked for. Each thread runs the tasks of its own share in order, then those
+// left in the others' (each share's next task, as its owner takes them): every thread reads runs of
+// consecutive tasks, as with a static schedule, but a thread whose reads came slower is helped to
+// the end of its share instead of waited for. Every task runs exactly once, on one thread; which
+// thread does not change what a task computes.
+class SharedTasks {
+ public:
+  SharedTasks(int64_t n, int num_shares) : n_(n), shares_(std::max(num_shares, 1)), next_(new Next[shares_]) {
+    for (int64_t s = 0; s < shares_; ++s) next_[s].task.store(first(s), std::memory_order_relaxed);
+  }
+  // Called by every thread of the region: runs tasks until none is left.
+  template <typename Run>
+  void run(Run&& task) {
+    const int64_t own = omp_get_thread_num() % shares_;
+    for (int64_t k = 0; k < shares_; ++k) {
+      const int64_t s = (own + k) % shares_, end = first(s + 1);
+      for (int64_t i; (i = next_[s].task.fetch_add(1, std::memory_order_relaxed)) < end;) task(i);
+    }
+  }
+
+ private:
+  struct alignas(64) Next {  // one cache line per share: the owners' counters do not contend
+    std::atomic<int64_t> task;
+  };
+  int64_t first(int64_t s) const { return n_ * s / shares_; }  // share s's first task
+  int64_t n_, shares_;
+  std::unique_ptr<Next[]> next_;
+};
 
 // out = x W^T (+ bias) for W of type Q by the int8 dot products, tasks of kColumnsPerTask columns
 // shared among the threads (one thread below kParallelWork multiply-adds).
@@ -61,18 +96,25 @@ void products(const T* x, const uint8_t* w, const T* bias, O* out, int64_t out_s
   else
     quantize_rows(x, 0, M, K, Q, a);
   const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask, groups = (M + kPanelRows - 1) / kPanelRows;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && M * N * K >= kParallelWork)
+  const bool parallel = num_threads > 1 && M * N * K >= kParallelWork;
+  const auto task = [&](int64_t i) {
+    column_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, i * kColumnsPerTask,
+                    std::min(N, (i + 1) * kColumnsPerTask));
+  };
+  if (!panel) {  // few rows: W's reads, whose pace differs between threads, set the time
+    SharedTasks shared(tasks, parallel ? num_threads : 1);
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    shared.run(task);
+    return;
+  }
+#pragma omp parallel num_threads(num_threads) if (parallel)
   {
-    if (panel) {
 #pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m) quantize_rows(x, m, m + 1, K, Q, a);
+    for (int64_t m = 0; m < M; ++m) quantize_rows(x, m, m + 1, K, Q, a);
 #pragma omp for schedule(static)
-      for (int64_t g = 0; g < groups; ++g) panel_groups(a, M, g, g + 1);
-    }
+    for (int64_t g = 0; g < groups; ++g) panel_groups(a, M, g, g + 1);
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; ++task)
-      column_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, task * kColumnsPerTask,
-                      std::min(N, (task + 1) * kColumnsPerTask));
+    for (int64_t i = 0; i < tasks; ++i) task(i);
   }
 }
 

@@ -764,8 +764,11 @@ inline bool one_row_prefetch() {
 // time: each row is one sequential stream, which the hardware prefetcher follows at the rate memory
 // delivers (several rows read side by side are several streams, which it follows at about half
 // that rate), helped on Intel cores by software prefetches kOneRowPrefetch bytes ahead (a
-// prefetch never faults, so those past the end of W are harmless). With more rows of x (the
-// arithmetic's cost), W's rows in pairs: each load of x serves two; for the 32-value formats (and
+// prefetch never faults, so those past the end of W are harmless). There, with the prefetches
+// leading, the superblock_int formats take two adjacent rows of W at a time (one stretch of
+// memory, prefetched as one): the two outputs share superblock_dot's folding and fp32 steps
+// (superblock_step2), the larger part of a row's instructions at one row of x. With more rows of x
+// (the arithmetic's cost), W's rows in pairs: each load of x serves two; for the 32-value formats (and
 // iq4_xs) a block of kRowsX rows of x against each pair of the range in turn (x's block stays in
 // L1, the range's rows of W in L2), for the superblock_int formats each pair against all rows of x
 // in turn.
@@ -780,7 +783,17 @@ void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, con
   if (M == 1) {
     const bool prefetch = one_row_prefetch();
     int64_t n = begin;
-    for (float res[1][4]; n < end; ++n) {
+    float res[1][4];
+    if constexpr (superblock_int(Q)) {
+      for (; prefetch && n + 2 <= end; n += 2) {
+        for (int64_t at = 0; at < 2 * row_bytes; at += 64)
+          __builtin_prefetch(w + n * row_bytes + kOneRowPrefetch + at, 0, 3);
+        dot_block<Q, 2, 1>(w + n * row_bytes, row_bytes, a, 0, K, res);
+        from_float(res[0][0] + (bias != nullptr ? to_float(bias[n]) : 0.0f), out + n);
+        from_float(res[0][1] + (bias != nullptr ? to_float(bias[n + 1]) : 0.0f), out + n + 1);
+      }
+    }
+    for (; n < end; ++n) {
       if (prefetch)
         for (int64_t at = 0; at < row_bytes; at += 64)
           __builtin_prefetch(w + n * row_bytes + kOneRowPrefetch + at, 0, 3);
