@@ -16,11 +16,12 @@
 // Structure (as linear.cpp): output columns shared among OpenMP threads in tasks of 64 rows of W,
 // each task quant_dot.h's column_range (below kPanelMinRows rows of x, SharedTasks: each thread's
 // stretch of tasks, then what is left of the others'). Every product with a block-quantized W comes
-// here, for any number of rows of x: one arithmetic per weight format (activations quantized to 8 bits per block
-// of 32, or per super-block for the k-quants), so each output is the same bits whatever else shares
-// the step (batch invariance: no switch to a GEMM on dequantized tiles past some number of rows,
-// which would sum other values in another order; the panel kernel and, on CPUs with AMX, the tile
-// kernel compute the same exact integer terms and the same fp32 steps as the pair kernels).
+// here, for any number of rows of x: one arithmetic per weight format (activations quantized to 8
+// bits per block of 32, or per super-block for the k-quants), so each output is the same bits
+// whatever else shares the step (batch invariance: no switch to a GEMM on dequantized tiles past
+// some number of rows, which would sum other values in another order; the panel kernel and, on CPUs
+// with AMX, the tile kernel compute the same exact integer terms and the same fp32 steps as the
+// pair kernels).
 //
 // Layouts: x [M, K] contiguous; W [N, row_bytes] (quant_blocks.h); bias [N] or null (x's type); out
 // row m at out + m * out_stride (out_stride >= N: a fused matrix's parts write column slices of one

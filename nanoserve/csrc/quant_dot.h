@@ -768,10 +768,10 @@ inline bool one_row_prefetch() {
 // leading, the superblock_int formats take two adjacent rows of W at a time (one stretch of
 // memory, prefetched as one): the two outputs share superblock_dot's folding and fp32 steps
 // (superblock_step2), the larger part of a row's instructions at one row of x. With more rows of x
-// (the arithmetic's cost), W's rows in pairs: each load of x serves two; for the 32-value formats (and
-// iq4_xs) a block of kRowsX rows of x against each pair of the range in turn (x's block stays in
-// L1, the range's rows of W in L2), for the superblock_int formats each pair against all rows of x
-// in turn.
+// (the arithmetic's cost), W's rows in pairs: each load of x serves two; for the 32-value formats
+// (and iq4_xs) a block of kRowsX rows of x against each pair of the range in turn (x's block stays
+// in L1, the range's rows of W in L2), for the superblock_int formats each pair against all rows of
+// x in turn.
 template <int Q, typename T, typename O>
 void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {

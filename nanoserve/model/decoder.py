@@ -290,7 +290,7 @@ class CausalLM(nn.Module):
         """Tokens routed to each expert of each MoE layer since the previous call, [MoE layers, E]
         int64 on the CPU (a token counts once in each of its k experts), the counts then zeroed;
         None for a dense model. One device-to-host copy of the stacked counts."""
-        if not self.cfg.moe_layers:  # (a dense model's steps skip the walk over its layers)
+        if not self.cfg.moe_layers:  # a dense model: no walk over its layers at each step
             return None
         layers = self.moe_layers
         load = torch.stack([m.tokens_per_expert for m in layers]).cpu()

@@ -41,9 +41,9 @@ FORMATS = list(BLOCK_FORMATS)
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,),
                  "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,), "q3_k": (108,),
                  "q2_k": (80, 82)}
-# (M, N, K in blocks): odd N, K with an odd number of 32-value blocks, M across the row-group tails.
-# (M, N, K in blocks); the product at index i runs on 1 + i % 2 threads. (1, 301, 3): one row of x
-# over five tasks of columns shared by two threads, W's rows in pairs and an odd one at the end.
+# (M, N, K in blocks): odd N, K with an odd number of 32-value blocks, M across the row-group tails;
+# the product at index i runs on 1 + i % 2 threads. (1, 301, 3): one row of x over five tasks of
+# columns shared by two threads, W's rows in pairs (Intel cores) and an odd one at the end.
 SHAPES = [(1, 1, 1), (1, 7, 3), (1, 13, 4), (2, 9, 2), (3, 33, 5), (4, 8, 4), (5, 67, 3), (7, 5, 8), (16, 64, 4),
           (33, 19, 6), (64, 130, 2), (1, 301, 3)]
 ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX-VNNI", 1: "AVX2", 0: "scalar"}
