@@ -782,6 +782,9 @@ void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, con
   if (!a.pq.empty()) return panel_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
   if (M == 1) {
     const bool prefetch = one_row_prefetch();
+    const auto store = [&](int64_t n, float sum) {
+      from_float(sum + (bias != nullptr ? to_float(bias[n]) : 0.0f), out + n);
+    };
     int64_t n = begin;
     float res[1][4];
     if constexpr (superblock_int(Q)) {
@@ -789,8 +792,8 @@ void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, con
         for (int64_t at = 0; at < 2 * row_bytes; at += 64)
           __builtin_prefetch(w + n * row_bytes + kOneRowPrefetch + at, 0, 3);
         dot_block<Q, 2, 1>(w + n * row_bytes, row_bytes, a, 0, K, res);
-        from_float(res[0][0] + (bias != nullptr ? to_float(bias[n]) : 0.0f), out + n);
-        from_float(res[0][1] + (bias != nullptr ? to_float(bias[n + 1]) : 0.0f), out + n + 1);
+        store(n, res[0][0]);
+        store(n + 1, res[0][1]);
       }
     }
     for (; n < end; ++n) {
@@ -798,7 +801,7 @@ void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, con
         for (int64_t at = 0; at < row_bytes; at += 64)
           __builtin_prefetch(w + n * row_bytes + kOneRowPrefetch + at, 0, 3);
       dot_block<Q, 1, 1>(w + n * row_bytes, row_bytes, a, 0, K, res);
-      from_float(res[0][0] + (bias != nullptr ? to_float(bias[n]) : 0.0f), out + n);
+      store(n, res[0][0]);
     }
     return;
   }

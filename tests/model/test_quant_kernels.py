@@ -42,10 +42,11 @@ SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1
                  "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,), "q3_k": (108,),
                  "q2_k": (80, 82)}
 # (M, N, K in blocks): odd N, K with an odd number of 32-value blocks, M across the row-group tails;
-# the product at index i runs on 1 + i % 2 threads. (1, 301, 3): one row of x over five tasks of
-# columns shared by two threads, W's rows in pairs (Intel cores) and an odd one at the end.
+# the product at index i runs on 1 + i % 2 threads. (1, 301, 23): one row of x over five tasks of
+# columns shared by two threads in every format (enough multiply-adds to go parallel even with
+# 32-value blocks), W's rows in pairs (the k-quants on Intel cores) and an odd one at the end.
 SHAPES = [(1, 1, 1), (1, 7, 3), (1, 13, 4), (2, 9, 2), (3, 33, 5), (4, 8, 4), (5, 67, 3), (7, 5, 8), (16, 64, 4),
-          (33, 19, 6), (64, 130, 2), (1, 301, 3)]
+          (33, 19, 6), (64, 130, 2), (1, 301, 23)]
 ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX-VNNI", 1: "AVX2", 0: "scalar"}
 # The formats whose activation scales are steps of their 256 values' (quant_dot.h's superblock_dot).
 SUPERBLOCK_FORMATS = {"q4_k", "q5_k", "q6_k", "q3_k", "q2_k"}
