@@ -161,6 +161,19 @@ def _load(compiler: str, folder: Path, isa: tuple[str, ...] | None, prebuilt: Pa
     return lib
 
 
+def load_kernel_file(path: Path) -> ctypes.CDLL:
+    """A kernel library file as it is (another tree's build, to time two builds side by side in one
+    process), the entry points it shares with `SIGNATURES` declared as this tree declares them (the
+    caller's to know that their signatures agree); no build, no cache. Raises OSError when it does
+    not load."""
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
 def _build_and_load(compiler: str, folder: Path, isa: tuple[str, ...]) -> ctypes.CDLL | None:
     """The library built for `isa` in `folder` (compiled first when missing), or None with a warning."""
     if shutil.which(compiler) is None:

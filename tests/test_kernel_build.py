@@ -109,3 +109,23 @@ def test_an_install_without_a_compiler_goes_on_and_says_so(tmp_path: Path) -> No
     assert run.returncode == 0, run.stderr
     assert "no C++ compiler (no-such-compiler-here) found: the CPU kernels are NOT built" in run.stderr
     assert not (tmp_path / "nanoserve").exists()
+
+
+def test_another_build_loads_as_it_is_beside_this_one(tmp_path: Path) -> None:
+    """`load_kernel_file` (two builds side by side in one process, `scripts/bench_products.py
+    --against`): a copy of this tree's library loads as a second library, its entry points declared
+    as this tree declares them and answering as this tree's do, with nothing built or cached; a
+    file that is not a library raises OSError."""
+    lib = native.load_cpu_kernels()
+    assert lib is not None
+    copy = tmp_path / "other.so"
+    shutil.copy(lib._name, copy)
+    other = native.load_kernel_file(copy)
+    assert other._name == str(copy)
+    assert other.nanoserve_quant_isa() == lib.nanoserve_quant_isa()
+    assert other.nanoserve_quant_isa.argtypes == lib.nanoserve_quant_isa.argtypes
+    assert other.nanoserve_quant_linear_f32.restype is lib.nanoserve_quant_linear_f32.restype
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.so"]
+    (tmp_path / "not-a-library.so").write_text("no")
+    with pytest.raises(OSError):
+        native.load_kernel_file(tmp_path / "not-a-library.so")

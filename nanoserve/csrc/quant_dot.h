@@ -64,6 +64,7 @@
 #include <cstring>
 #include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "quant_blocks.h"
@@ -78,7 +79,10 @@ constexpr int kRowsX = 8;  // rows of x per pass over a group of W's rows, at mo
 // within 2^31.
 constexpr int kSubScales = 32;
 
-// An allocator of cache-line aligned storage: the AMX tiles' rows (64 bytes) each in one line.
+// An allocator of cache-line aligned storage (the AMX tiles' rows, 64 bytes, each in one line) whose
+// vectors' resize leaves new elements uninitialised: AmxW's bands of W are written whole before
+// they are read, so a product need not zero them first (assign and other explicit values
+// initialise as usual).
 template <typename T>
 struct LineAligned {
   using value_type = T;
@@ -87,6 +91,14 @@ struct LineAligned {
   LineAligned(const LineAligned<U>&) {}
   T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
   void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  void construct(U* p) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename V>
+  void construct(U* p, V&& value) {
+    ::new (static_cast<void*>(p)) U(std::forward<V>(value));
+  }
   template <typename U>
   bool operator==(const LineAligned<U>&) const { return true; }
   template <typename U>
