@@ -155,9 +155,7 @@ def _load(compiler: str, folder: Path, isa: tuple[str, ...] | None, prebuilt: Pa
         lib = _build_and_load(compiler, folder, isa or NATIVE_ISA)
     if lib is None:
         return None
-    for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
+    _declare(lib, every=True)
     return lib
 
 
@@ -167,11 +165,17 @@ def load_kernel_file(path: Path) -> ctypes.CDLL:
     caller's to know that their signatures agree); no build, no cache. Raises OSError when it does
     not load."""
     lib = ctypes.CDLL(str(path))
+    _declare(lib, every=False)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL, every: bool) -> None:
+    """lib's entry points typed as `SIGNATURES` says: every one of them (AttributeError for one it
+    lacks), or (every False) those it has."""
     for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(lib, name, None)
+        fn = getattr(lib, name) if every else getattr(lib, name, None)
         if fn is not None:
             fn.restype, fn.argtypes = restype, argtypes
-    return lib
 
 
 def _build_and_load(compiler: str, folder: Path, isa: tuple[str, ...]) -> ctypes.CDLL | None:
