@@ -85,8 +85,8 @@ void products(const T* x, const uint8_t* w, const T* bias, O* out, int64_t out_s
               int64_t K, int num_threads) {
   constexpr int64_t step = std::max<int64_t>(layout(Q).values, kVecValues);
   const int64_t row_bytes = K / layout(Q).values * layout(Q).bytes, Kp = (K + step - 1) / step * step;
-  // x quantized (and, from kPanelMinRows rows on, laid out in panels for quant_panel.h or, from
-  // amx_min_rows on where amx_usable, for quant_amx.h: size_panel chooses), then the
+  // x quantized (and, from kPanelMinRows rows on, laid out in panels for quant_panel.h or, the
+  // superblock_int formats where amx_usable, for quant_amx.h: size_panel chooses), then the
   // products. From kPanelMinRows rows on the threads share the rows, then the panel groups (each
   // step one more meeting of the threads), then the tasks.
   Activations a;
@@ -229,7 +229,7 @@ int nanoserve_dequantize_rows_bf16(const uint8_t* w, int qtype, int64_t num_rows
 // Which dot product the quantized products use: 3 AVX512-VNNI, 2 AVX-VNNI (256-bit), 1 AVX2
 // (vpmaddubsw), 0 none (scalar, fp32).
 int nanoserve_quant_isa() { return kIsa; }
-// Whether the superblock_int formats' products of amx_min_rows rows of x or more take AMX-INT8 tiles
+// Whether the superblock_int formats' products of kPanelMinRows rows of x or more take AMX-INT8 tiles
 // (quant_amx.h): 1 where this build has that path and this CPU and process may use it, else 0.
 int nanoserve_quant_amx() { return amx_usable() ? 1 : 0; }
 

@@ -1,6 +1,6 @@
 // The superblock_int formats' products of many rows of x on AMX-INT8 tiles (Intel's Advanced Matrix
-// Extensions, Sapphire Rapids on): where amx_usable, their products of amx_min_rows rows of x or more
-// come here instead of quant_panel.h's micro-kernel.
+// Extensions, Sapphire Rapids on): where amx_usable, their products of kPanelMinRows rows of x or
+// more come here instead of quant_panel.h's micro-kernel.
 //
 // Private to the products' translation units (included by quant_dot.h only, after quant_panel.h,
 // whose store_band it uses; see quant.cpp for the files' roles). Everything is in the unnamed
@@ -8,27 +8,29 @@
 //
 // The arithmetic. superblock_dot's two terms of a super-block (see superblock_step) are sums over
 // its 256 values of products of two integers, one from W and one from x:
-//   term1 = sum of w' x' over the values of term1's groups, w' = s (u - offset), x' = k_c qx
-//   term2 = (mins) sum of m x' over all values; (offset formats) as term1 over term2's groups
-// with s and m the value's sub-block scale and min, k_c its chunk's activation step multiple. |w'|
-// <= 2^12 and |x'| <= 127 kSubScales < 2^12 need two bytes each: w' = 64 wh + wl and x' = 64 xh +
-// xl with wh, xh signed (>> 6) and wl, xl in [0, 64) (& 63), so that
-//   sum w' x' = 4096 (wh . xh) + 64 (wh . xl + wl . xh) + wl . xl
-// four tile products of bytes (tdpbssd, tdpbsud, tdpbusd, tdpbuud: each sums exactly in int32, far
-// from overflow within a super-block), combined in wrapping int32 arithmetic, which is exact
-// because the term itself is within int32 (superblock_step). The mins' term, sum of m x', is a sum
-// over the sub-blocks of m times KS (k_c times the sub-block's sum of qx, from Activations' pks)
-// instead, by vpdpwssd on int16 pairs (two tile products fewer per step). So each output's terms are
-// superblock_dot's exactly, and its fp32 steps superblock_step's in super-block order: the same bits
-// as the other kernels (batch invariance), whatever the rows.
+//   term1 = sum of w' qx over the values of term1's groups, w' = s (u - offset)
+//   term2 = (mins) sum of m qx over all values; (offset formats) as term1 over term2's groups
+// with s and m the value's sub-block scale and min. qx is a signed byte (one activation step per
+// super-block: quant_dot.h); |w'| <= 2^12 needs two: w' = 64 wh + wl with wh = w' >> 6 (signed) and
+// wl = w' & 63, so that
+//   sum w' qx = 64 (wh . qx) + wl . qx
+// two tile products of bytes (tdpbssd, tdpbusd: each sums exactly in int32, far from overflow
+// within a super-block), combined in wrapping int32 arithmetic, which is exact because the term
+// itself is within int32 (superblock_step). The mins' term, sum of m qx, is a sum over the
+// sub-blocks of m times the sub-block's sum of qx (Activations' pks) instead, by vpdpwssd on int16
+// pairs (no third C tile and its products). So each output's terms are superblock_dot's
+// exactly, and its fp32 steps superblock_step's in super-block order: the same bits as the other
+// kernels (batch invariance), whatever the rows.
 //
-// Layout. A: 16 rows of W, B: 16 rows of x (Activations' pxh, pxl: already in the tiles' layout,
-// four values of a row in each int32 column), C: their 16 x 16 int32 sums, row t of C a vector
-// over x's rows as quant_panel.h's accumulators. All eight tiles are 16 rows of 64 bytes: a step
-// is 64 values of K, kAmxSteps steps a super-block, the chunks in kAmxOrder (the offset formats'
-// term1 steps 0-1, term2 steps 2-3). W's band of 16 rows is unpacked (AmxW) into wh and wl bytes
-// in the same order, tile by tile; per super-block the C tiles are stored, combined into the two
-// terms and taken into fp32 with AVX-512. Tiles: 0 and 6 A (wh, wl), 1-2 B (xh, xl), 3-5 C.
+// Layout. A: 16 rows of W, B: 16 rows of x (Activations' px: already in the tiles' layout, four
+// values of a row in each int32 column), C: their 16 x 16 int32 sums, row t of C a vector over x's
+// rows as quant_panel.h's accumulators. All eight tiles are 16 rows of 64 bytes: a step is 64
+// values of K, kAmxSteps steps a super-block, the chunks in kAmxOrder (the offset formats' term1
+// steps 0-1, term2 steps 2-3). W's band of 16 rows is unpacked (AmxW) into wh and wl bytes in the
+// same order, tile by tile; per super-block the C tiles are stored, combined into the two terms and
+// taken into fp32 with AVX-512. Two groups of x's rows at a time, so that each load of W's A tiles
+// serves both: tiles 0-1 A (wh, wl), 2-3 B (the two groups' qx), 4-7 C (each group's high and low
+// sums).
 
 #pragma once
 
@@ -137,79 +139,83 @@ void unpack_amx_w(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, 
     }
 }
 
-// Three C tiles' sums (high, middle, low) as one: 4096 high + 64 middle + low, wrapping.
-inline IV combine(const int32_t* high, const int32_t* middle, const int32_t* low) {
-  return add32(add32(slli32(load_i(high), 12), slli32(load_i(middle), 6)), load_i(low));
-}
-
-// acc[t] (lane l: row kPanelRows grp + l of x) = the outputs of row kAmxBand band + t of w over all of
-// K, from zero, superblock_step by superblock_step (the tile configuration loaded). Per super-block:
-// term1's four products over its steps (all four; the offset formats' first two), stored; the
-// offset formats' term2 likewise over the last two steps; the mins' term2 = sum of m KS over the
-// sub-blocks, by vpdpwssd on the int16 pairs (4096 (m . hi) + m . lo), exact.
-template <int Q>
-void amx_block(const AmxW& w, int64_t band, const Activations& a, int64_t grp, int64_t K, FV acc[kAmxBand]) {
+// acc[g][t] (lane l: row kPanelRows (grp + g) + l of x) = the outputs of row kAmxBand band + t of w
+// over all of K, from zero, superblock_step by superblock_step (the tile configuration loaded), for
+// G groups of x at once (one or two: each step's A tiles serve both). Per super-block: term1's two
+// products (high: wh . qx, low: wl . qx) over its steps (all four; the offset formats' first two),
+// stored and combined as 64 high + low (wrapping; exact, as the term is within int32); the offset
+// formats' term2 likewise over the last two steps; the mins' term2 = the sum over the sub-blocks of
+// m times the sub-block's sum of qx, by vpdpwssd on the int16 pairs, exact.
+template <int Q, int G>
+void amx_block(const AmxW& w, int64_t band, const Activations& a, int64_t grp, int64_t K, FV acc[][kAmxBand]) {
+  static_assert(G == 1 || G == 2, "two groups' C tiles and B tiles, with W's two A tiles, fill the eight tiles");
   constexpr bool mins = has_mins(Q);
   constexpr int passes = mins ? 1 : 2, steps = kAmxSteps / passes, pairs = 128 / amx_min_values(Q);
   constexpr int64_t tile = kAmxBand * 64;  // bytes
   const int64_t blocks = K / 256;
-  // A super-block's C tiles: term1's high, middle and low sums, then (offset formats) term2's.
-  alignas(64) int32_t c[3 * passes][kAmxBand][16];
-  FV sum[kAmxBand];  // acc, in registers
-  for (int t = 0; t < kAmxBand; ++t) sum[t] = fzero();
+  // A super-block's C tiles: per pass (term1's, then the offset formats' term2's) and group, the high
+  // and the low sums.
+  alignas(64) int32_t c[passes][G][2][kAmxBand][16];
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < kAmxBand; ++t) acc[g][t] = fzero();
   // The tile loads' asm names no memory it reads: a compiler barrier keeps them after the stores
   // that filled w and a (inlined unpacking included).
   __asm__ volatile("" ::: "memory");
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t xt = (grp * blocks + b) * kAmxSteps * tile, wt = (band * blocks + b) * kAmxSteps * tile;
-    const int8_t* xh = a.pxh.data() + xt;
-    const uint8_t* xl = a.pxl.data() + xt;
+    const int64_t wt = (band * blocks + b) * kAmxSteps * tile;
     const int8_t* wh = w.wh.data() + wt;
     const uint8_t* wl = w.wl.data() + wt;
+    const int8_t* x0 = a.px.data() + (grp * blocks + b) * kAmxSteps * tile;
+    const int8_t* x1 = x0 + blocks * kAmxSteps * tile;  // (G == 2) the next group's
     for (int pass = 0; pass < passes; ++pass) {
-      _tile_zero(3);
       _tile_zero(4);
       _tile_zero(5);
+      if constexpr (G == 2) {
+        _tile_zero(6);
+        _tile_zero(7);
+      }
       for (int s = pass * steps; s < (pass + 1) * steps; ++s) {
-        _tile_loadd(1, xh + s * tile, 64);
-        _tile_loadd(2, xl + s * tile, 64);
         _tile_loadd(0, wh + s * tile, 64);
-        _tile_loadd(6, wl + s * tile, 64);
-        _tile_dpbssd(3, 0, 1);
-        _tile_dpbsud(4, 0, 2);
-        _tile_dpbusd(4, 6, 1);
-        _tile_dpbuud(5, 6, 2);
-      }
-      _tile_stored(3, c[3 * pass], 64);
-      _tile_stored(4, c[3 * pass + 1], 64);
-      _tile_stored(5, c[3 * pass + 2], 64);
-    }
-    const FV unit = load_f(a.punit.data() + (grp * blocks + b) * kPanelRows);
-    IV ks[2 * pairs];  // (mins) each pair's hi, then lo, over x's rows
-    if constexpr (mins)
-      for (int i = 0; i < 2 * pairs; ++i) ks[i] = load_i(a.pks.data() + ((grp * blocks + b) * 2 * pairs + i) * kPanelRows);
-    for (int t = 0; t < kAmxBand; ++t) {
-      const int64_t wb = (band * kAmxBand + t) * blocks + b;
-      const IV term1 = combine(c[0][t], c[1][t], c[2][t]);
-      IV term2;
-      if constexpr (mins) {
-        IV hi = izero(), lo = izero();
-        for (int q = 0; q < pairs; ++q) {
-          const IV m = iset1(w.mins[wb * pairs + q]);
-          hi = dot2(hi, m, ks[2 * q]);
-          lo = dot2(lo, m, ks[2 * q + 1]);
+        _tile_loadd(1, wl + s * tile, 64);
+        _tile_loadd(2, x0 + s * tile, 64);
+        _tile_dpbssd(4, 0, 2);
+        _tile_dpbusd(5, 1, 2);
+        if constexpr (G == 2) {
+          _tile_loadd(3, x1 + s * tile, 64);
+          _tile_dpbssd(6, 0, 3);
+          _tile_dpbusd(7, 1, 3);
         }
-        term2 = add32(slli32(hi, 12), lo);
-      } else {
-        term2 = combine(c[3][t], c[4][t], c[5][t]);
       }
-      const FV d_unit = mul(fset1(w.d[wb]), unit);
-      const FV f2 = mins ? mul(fset1(-w.dmin[wb]), unit) : d_unit;
-      sum[t] = fma(to_fp32(term1), d_unit, sum[t]);
-      sum[t] = fma(to_fp32(term2), f2, sum[t]);
+      _tile_stored(4, c[pass][0][0], 64);
+      _tile_stored(5, c[pass][0][1], 64);
+      if constexpr (G == 2) {
+        _tile_stored(6, c[pass][G - 1][0], 64);
+        _tile_stored(7, c[pass][G - 1][1], 64);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const int64_t xb = (grp + g) * blocks + b;
+      const FV unit = load_f(a.punit.data() + xb * kPanelRows);
+      IV ks[pairs];  // (mins) each pair of sub-blocks' sums of qx, over x's rows
+      if constexpr (mins)
+        for (int q = 0; q < pairs; ++q) ks[q] = load_i(a.pks.data() + (xb * pairs + q) * kPanelRows);
+      for (int t = 0; t < kAmxBand; ++t) {
+        const int64_t wb = (band * kAmxBand + t) * blocks + b;
+        const IV term1 = add32(slli32(load_i(c[0][g][0][t]), 6), load_i(c[0][g][1][t]));
+        IV term2;
+        if constexpr (mins) {
+          term2 = izero();
+          for (int q = 0; q < pairs; ++q) term2 = dot2(term2, iset1(w.mins[wb * pairs + q]), ks[q]);
+        } else {
+          term2 = add32(slli32(load_i(c[passes - 1][g][0][t]), 6), load_i(c[passes - 1][g][1][t]));
+        }
+        const FV d_unit = mul(fset1(w.d[wb]), unit);
+        const FV f2 = mins ? mul(fset1(-w.dmin[wb]), unit) : d_unit;
+        acc[g][t] = fma(to_fp32(term1), d_unit, acc[g][t]);
+        acc[g][t] = fma(to_fp32(term2), f2, acc[g][t]);
+      }
     }
   }
-  for (int t = 0; t < kAmxBand; ++t) acc[t] = sum[t];
 }
 
 // The outputs acc[t] (lane l: row kPanelRows grp + l of x) of W's rows n0 + t, t < kAmxBand, all
@@ -250,13 +256,14 @@ void store_whole_band(const FV acc[kAmxBand], const T* bias, O* out, int64_t out
 }
 
 // panel_range on AMX tiles (a's AMX fields built): output columns [begin, end) for all M rows of x,
-// x's groups in blocks whose pxh and pxl stay in L2, each block against every band of kAmxBand rows
-// of W, each row of W unpacked once (with one block, band by band just before its use).
+// x's groups in blocks whose px stays in L2, each block against every band of kAmxBand rows of W
+// (its groups two at a time), each row of W unpacked once (with one block, band by band just
+// before its use).
 template <int Q, typename T, typename O>
 void amx_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const T* bias, O* out,
                int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
   const int64_t groups = (M + kPanelRows - 1) / kPanelRows;
-  const int64_t per_block = std::clamp<int64_t>((256 << 10) / (2 * kPanelRows * K), 1, 8);
+  const int64_t per_block = 2 * std::clamp<int64_t>((128 << 10) / (kPanelRows * K), 1, 4);  // pairs of groups
   const bool by_band = groups <= per_block;
   const TileConfig config;
   _tile_loadconfig(&config);
@@ -272,15 +279,26 @@ void amx_range(const uint8_t* w, int64_t row_bytes, const Activations& a, const 
         for (int64_t at = 0; at < next_bytes; at += 64) __builtin_prefetch(next + at, 0, 2);
       }
       const int64_t band = by_band ? 0 : t0 / kAmxBand;  // in pw
-      for (int64_t grp = g0; grp < std::min(groups, g0 + per_block); ++grp) {
-        FV acc[kAmxBand];
-        amx_block<Q>(pw, band, a, grp, K, acc);
+      const int64_t g_end = std::min(groups, g0 + per_block);
+      const auto store = [&](const FV acc[kAmxBand], int64_t grp) {
         if (begin + t0 + kAmxBand <= end) {
           store_whole_band(acc, bias, out, out_stride, M, grp, begin + t0);
         } else {
           store_band(acc, bias, out, out_stride, M, grp, begin + t0, end);
           if (begin + t0 + kBand < end) store_band(acc + kBand, bias, out, out_stride, M, grp, begin + t0 + kBand, end);
         }
+      };
+      int64_t grp = g0;
+      for (; grp + 2 <= g_end; grp += 2) {
+        FV acc[2][kAmxBand];
+        amx_block<Q, 2>(pw, band, a, grp, K, acc);
+        store(acc[0], grp);
+        store(acc[1], grp + 1);
+      }
+      if (grp < g_end) {
+        FV acc[1][kAmxBand];
+        amx_block<Q, 1>(pw, band, a, grp, K, acc);
+        store(acc[0], grp);
       }
     }
   _tile_release();

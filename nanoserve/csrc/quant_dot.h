@@ -19,12 +19,13 @@
 // of x on, quant_panel.h's micro-kernel takes the same steps for kPanelRows rows of x at once).
 //
 // The k-quants with small integer sub-block scales (superblock_int: q4_k, q5_k, q6_k, q3_k, q2_k)
-// take a form like llama.cpp's instead: x quantized again with each chunk's dx a whole multiple k_c
-// of its super-block's unit (max|x| of the 256 values / (127 kSubScales)), with each 16 values' sum
-// of qx (sums16), so that a super-block of W against x sums in int32 (W's sub-block scales times the
-// chunks' k_c multiplied in as integers) into two exact terms, which go through fp32 once each
-// (superblock_step). llama.cpp takes one dx per 256 values (k_c = 1 throughout), which gives a chunk
-// of small values the step of the largest; here a chunk's step is at most max|x_c| / 127 + unit.
+// take llama.cpp's form instead (its q8_K): x quantized again with one step per super-block, unit
+// = max|x| of the 256 values / 127, with each 16 values' sum of qx (sums16), so that a super-block
+// of W against x sums in int32 (W's sub-block scales multiplied in as integers) into two exact
+// terms, which go through fp32 once each (superblock_step). One step for all 256 values keeps qx one
+// byte, which AMX's tiles need (quant_amx.h: a per-chunk step would take x's values past a byte
+// and double the tile products); a chunk of small values takes the step of the block's largest
+// (the cost in a real model's logprobs: docs/benchmarks.md, "One activation step per super-block").
 // Below kPanelRows rows of x, superblock_dot sums a (row of W, row of x) pair's terms in lanes
 // (vpmaddubsw, then vpdpwssd / vpmaddwd against the spread scales) and folds them; from kPanelRows
 // rows on, quant_panel.h's micro-kernel computes the same terms for kPanelRows rows of x at once.
@@ -45,8 +46,8 @@
 // the range's rows of W in turn, so x's group stays in L1 and W streams from memory once, then from
 // L2 (with two rows of W, the next two prefetched meanwhile; one row is a sequential stream the
 // hardware prefetcher follows, helped on Intel cores by column_range's prefetches); from
-// kPanelMinRows rows of x on, quant_panel.h (the superblock_int formats from amx_min_rows rows on,
-// where amx_usable, quant_amx.h).
+// kPanelMinRows rows of x on, quant_panel.h (the superblock_int formats, where amx_usable,
+// quant_amx.h).
 //
 // Invariants: the Activations are zero-padded to Kp (a multiple of the vector and of the group), so
 // a step past K multiplies zeros; each output is biased and rounded to the output type once, at the
@@ -74,11 +75,6 @@
 namespace {
 
 constexpr int kRowsX = 8;  // rows of x per pass over a group of W's rows, at most
-// The steps of a chunk's activation scale within its super-block's (superblock_dot): with W's
-// sub-block scales (|s| <= 128) their products stay within int16 and a super-block's int32 sums
-// within 2^31.
-constexpr int kSubScales = 32;
-
 // An allocator of cache-line aligned storage (the AMX tiles' rows, 64 bytes, each in one line) whose
 // vectors' resize leaves new elements uninitialised: AmxW's bands of W are written whole before
 // they are read, so a product need not zero them first (assign and other explicit values
@@ -113,32 +109,29 @@ struct Activations {
   std::vector<int8_t> q;      // [M, Kp]
   std::vector<float> chunk_scale;  // [M, Kp / 32]: each chunk's dx
   std::vector<int32_t> chunk_sums;  // [M, Kp / 32]: each chunk's sum of qx
-  // The same rows quantized for the superblock_int formats, chunk c of a super-block with
-  // dx = unit * k_c (k_c an integer in [1, kSubScales]); filled for those formats only (then
-  // Kp == K, a multiple of 256), as the fields above for the others only.
+  // The same rows quantized for the superblock_int formats, one step (unit) per super-block;
+  // filled for those formats only (then Kp == K, a multiple of 256), as the fields above for the
+  // others only.
   std::vector<int8_t> q256;     // [M, Kp]
-  std::vector<float> unit;      // [M, Kp / 256]: the super-block's max|x| / (127 kSubScales)
-  std::vector<int16_t> k16;     // [M, Kp / 16]: k_c of the chunk that holds each 16 values
+  std::vector<float> unit;      // [M, Kp / 256]: the super-block's max|x| / 127
   std::vector<int16_t> sums16;  // [M, Kp / 16]: each 16 values' sum of qx
   // The rows again in groups of kPanelRows for quant_panel.h (build_panel; empty unless built), the
   // last group padded with zero rows: pq [groups, Kp / 4, kPanelRows, 4] (vector i: values 4i .. 4i
   // + 3 of each row; q256's for the superblock_int formats, q's for exact_chunks). The superblock_int
-  // formats: punit [groups, Kp / 256, kPanelRows], pk and psums [groups, Kp / 256, 16 groups of 16
-  // values, kPanelRows] (k16 and sums16 as int32). exact_chunks: punit [groups, Kp / 32, kPanelRows]
-  // each chunk's dx, psums likewise its sum of qx (chunk_sums); pk empty.
+  // formats: punit [groups, Kp / 256, kPanelRows], psums [groups, Kp / 256, 16 groups of 16 values,
+  // kPanelRows] (sums16 as int32). exact_chunks: punit [groups, Kp / 32, kPanelRows] each chunk's dx,
+  // psums likewise its sum of qx (chunk_sums).
   std::vector<int8_t> pq;
   std::vector<float> punit;
-  std::vector<int32_t> pk, psums;
-  // Instead of pq, pk and psums where the products take AMX tiles (the superblock_int formats,
-  // amx_usable; see quant_amx.h): x' = k_c qx (|x'| <= 127 kSubScales) as x' = 64 xh + xl, xh =
-  // x' >> 6 (signed), xl = x' & 63, each [groups, Kp / 256, kAmxSteps, 16, kPanelRows, 4]: per
-  // super-block the B tiles of its kAmxSteps steps of 64 values, row i of a tile holding values 4i
-  // .. 4i + 3 of each row of the group, the 32-value chunks in kAmxOrder.
-  std::vector<int8_t, LineAligned<int8_t>> pxh;
-  std::vector<uint8_t, LineAligned<uint8_t>> pxl;
-  // With them, for the formats with mins: each sub-block's k_c times its sum of qx (KS: 32 values
-  // for q4_k and q5_k, 16 for q2_k), as KS = 4096 hi + lo (hi = KS >> 12, lo = KS & 4095), in int16
-  // pairs of sub-blocks: [groups, Kp / 256, pairs, 2 (hi, lo), kPanelRows] int32, each lane the pair.
+  std::vector<int32_t> psums;
+  // Instead of pq and psums where the products take AMX tiles (the superblock_int formats,
+  // amx_usable; see quant_amx.h): px [groups, Kp / 256, kAmxSteps, 16, kPanelRows, 4] q256's bytes,
+  // per super-block the B tiles of its kAmxSteps steps of 64 values, row i of a tile holding values
+  // 4i .. 4i + 3 of each row of the group, the 32-value chunks in kAmxOrder.
+  std::vector<int8_t, LineAligned<int8_t>> px;
+  // With it, for the formats with mins: each sub-block's sum of qx (32 values for q4_k and q5_k, 16
+  // for q2_k; |sum| <= 32 * 127 < 2^15) in int16 pairs of sub-blocks: [groups, Kp / 256, pairs,
+  // kPanelRows] int32, each lane the pair.
   std::vector<int32_t> pks;
 };
 
@@ -183,20 +176,16 @@ inline void size_activations(Activations& a, int64_t M, int64_t Kp, int qtype) {
   a.chunk_sums.assign(chunk_rows * Kp / kChunk, 0);
   a.q256.assign(block_rows * Kp, 0);
   a.unit.assign(block_rows * Kp / 256, 0.0f);
-  a.k16.assign(block_rows * Kp / 16, 1);
   a.sums16.assign(block_rows * Kp / 16, 0);
   a.pq.clear();
   a.punit.clear();
-  a.pk.clear();
   a.psums.clear();
-  a.pxh.clear();
-  a.pxl.clear();
+  a.px.clear();
   a.pks.clear();
 }
 
 // Rows [m_begin, m_end) of x [.., K] into a (sized by size_activations for the same qtype). The
-// superblock_int formats: chunk c of a super-block takes k_c = ceil(kSubScales max|x_c| / max|x|)
-// (at least 1), so its step unit * k_c is at most max|x_c| / 127 + unit and |qx| <= 127. The others:
+// superblock_int formats: each super-block its step unit = max|x| / 127 (|qx| <= 127). The others:
 // each chunk its own dx = max|x_c| / 127.
 template <typename T>
 void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qtype, Activations& a) {
@@ -204,19 +193,15 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
     for (int64_t m = m_begin; m < m_end; ++m)
       for (int64_t b = 0; b < K / 256; ++b) {
         const T* src = x + m * K + b * 256;
-        float chunk_max[8], amax = 0.0f;
+        float amax = 0.0f;
         for (int c = 0; c < 8; ++c) {
           __m256 v[4];
           for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
-          chunk_max[c] = amax32(v);
-          amax = std::max(amax, chunk_max[c]);
+          amax = std::max(amax, amax32(v));
         }
-        const float unit = amax / (127.0f * kSubScales);
-        a.unit[m * K / 256 + b] = unit;
+        a.unit[m * K / 256 + b] = amax / 127.0f;
+        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
         for (int c = 0; c < 8; ++c) {
-          const int k = amax > 0 ? std::clamp(static_cast<int>(std::ceil(kSubScales * chunk_max[c] / amax)), 1, kSubScales)
-                                 : 1;
-          const float inv = amax > 0 ? 1.0f / (unit * static_cast<float>(k)) : 0.0f;
           __m256 v[4];
           for (int i = 0; i < 4; ++i) v[i] = static_cast<__m256>(load8(src + c * kChunk + 8 * i));
           const __m256i q = quantize32(v, inv);
@@ -229,7 +214,6 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
           h = _mm256_hadd_epi32(h, h);
           a.sums16[at / 16] = static_cast<int16_t>(_mm256_extract_epi32(h, 0));
           a.sums16[at / 16 + 1] = static_cast<int16_t>(_mm256_extract_epi32(h, 4));
-          a.k16[at / 16] = a.k16[at / 16 + 1] = static_cast<int16_t>(k);
         }
       }
     return;
@@ -254,10 +238,6 @@ void quantize_rows(const T* x, int64_t m_begin, int64_t m_end, int64_t K, int qt
 
 #if defined(NANOSERVE_AMX)
 constexpr int kAmxSteps = 4;  // AMX tile steps of 64 values a super-block
-// Rows of x from which a superblock_int format's products take AMX tiles: the formats with mins
-// from two panel groups on (at one, unpacking W's bands for the tiles costs about what the tiles
-// save), q6_k and q3_k from kPanelMinRows on (faster from there; measured, docs/benchmarks.md).
-constexpr int amx_min_rows(int qtype) { return has_mins(qtype) ? kPanelRows + 1 : kPanelMinRows; }
 // The place of chunk c (32 values) of a super-block in the tiles' order: the even chunks first (steps
 // 0 and 1), then the odd ones (steps 2 and 3), so that each of the offset formats' two terms
 // (kTerm2Group: the odd chunks' groups are term2's) is whole steps.
@@ -266,76 +246,57 @@ constexpr int kAmxOrder(int c) { return (c % 2) * 4 + c / 2; }
 // Values per min of a format with mins (superblock_int): q2_k's per 16, q4_k's and q5_k's per 32.
 constexpr int amx_min_values(int qtype) { return qtype == kQ2_K ? 16 : 32; }
 
-// Row r of x (q256, k16, sums16, unit: quantize_rows') into a's AMX fields (see Activations).
+// Row r of x (q256, sums16, unit: quantize_rows') into a's AMX fields (see Activations).
 inline void amx_panel_row(Activations& a, int64_t r) {
   const int64_t Kp = a.Kp, blocks = Kp / 256, grp = r / kPanelRows, lane = r % kPanelRows;
   const int sub = amx_min_values(a.qtype), pairs = 128 / sub;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = grp * blocks + b;
     a.punit[at * kPanelRows + lane] = a.unit[r * blocks + b];
-    const int16_t* k16 = a.k16.data() + r * (Kp / 16) + b * 16;
     const int16_t* sums16 = a.sums16.data() + r * (Kp / 16) + b * 16;
     if (has_mins(a.qtype))
       for (int p = 0; p < pairs; ++p) {
-        uint32_t hi = 0, lo = 0;
+        uint32_t ks = 0;
         for (int j = 0; j < 2; ++j) {  // sub-block 2p + j: its first group of 16 values, i
           const int i = (2 * p + j) * sub / 16;
-          const int32_t ks = k16[i] * (sub == 32 ? sums16[i] + sums16[i + 1] : sums16[i]);
-          hi |= static_cast<uint32_t>(static_cast<uint16_t>(ks >> 12)) << (16 * j);
-          lo |= static_cast<uint32_t>(ks & 4095) << (16 * j);
+          const int sum = sub == 32 ? sums16[i] + sums16[i + 1] : sums16[i];
+          ks |= static_cast<uint32_t>(static_cast<uint16_t>(sum)) << (16 * j);
         }
-        a.pks[((at * pairs + p) * 2) * kPanelRows + lane] = static_cast<int32_t>(hi);
-        a.pks[((at * pairs + p) * 2 + 1) * kPanelRows + lane] = static_cast<int32_t>(lo);
+        a.pks[(at * pairs + p) * kPanelRows + lane] = static_cast<int32_t>(ks);
       }
+    const int8_t* q = a.q256.data() + r * Kp + b * 256;
     for (int c = 0; c < 8; ++c) {
-      const __m512i q = _mm512_cvtepi8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q256.data() + r * Kp + b * 256 + c * kChunk)));
-      const __m512i x = _mm512_mullo_epi16(q, _mm512_set1_epi16(k16[2 * c]));
-      alignas(32) int32_t h[8], l[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi16_epi8(_mm512_srai_epi16(x, 6)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(l), _mm512_cvtepi16_epi8(_mm512_and_si512(x, _mm512_set1_epi16(63))));
       // The chunk's eight rows of four values in its place among the super-block's 64 tile rows.
-      const int64_t first = (at * 64 + kAmxOrder(c) * 8) * 4 * kPanelRows + lane * 4;
-      for (int i = 0; i < 8; ++i) {
-        std::memcpy(a.pxh.data() + first + i * 4 * kPanelRows, &h[i], 4);
-        std::memcpy(a.pxl.data() + first + i * 4 * kPanelRows, &l[i], 4);
-      }
+      int8_t* first = a.px.data() + (at * 64 + kAmxOrder(c) * 8) * 4 * kPanelRows + lane * 4;
+      for (int i = 0; i < 8; ++i) std::memcpy(first + i * 4 * kPanelRows, q + c * kChunk + 4 * i, 4);
     }
   }
 }
 #endif
 
-// The panel fields of a (M rows) sized for panel_groups: the AMX ones instead of pq, pk and psums
+// The panel fields of a (M rows) sized for panel_groups: the AMX ones instead of pq and psums
 // where the products take AMX tiles.
 inline void size_panel(Activations& a, int64_t M) {
   const int64_t Kp = a.Kp, groups = (M + kPanelRows - 1) / kPanelRows;
   const int64_t blocks = superblock_int(a.qtype) ? Kp / 256 : Kp / kChunk;  // punit's per row
   a.punit.assign(groups * blocks * kPanelRows, 0.0f);
 #if defined(NANOSERVE_AMX)
-  if (superblock_int(a.qtype) && M >= amx_min_rows(a.qtype) && amx_usable()) {
-    a.pxh.assign(groups * Kp * kPanelRows, 0);
-    a.pxl.assign(groups * Kp * kPanelRows, 0);
-    a.pks.assign(has_mins(a.qtype) ? groups * blocks * 256 / amx_min_values(a.qtype) * kPanelRows : 0, 0);
+  if (superblock_int(a.qtype) && amx_usable()) {
+    a.px.assign(groups * Kp * kPanelRows, 0);
+    a.pks.assign(has_mins(a.qtype) ? groups * blocks * 128 / amx_min_values(a.qtype) * kPanelRows : 0, 0);
     a.pq.clear();
-    a.pk.clear();
     a.psums.clear();
     return;
   }
 #endif
   a.pq.assign(groups * Kp * kPanelRows, 0);
-  if (superblock_int(a.qtype)) {
-    a.pk.assign(groups * blocks * 16 * kPanelRows, 1);
-    a.psums.assign(groups * blocks * 16 * kPanelRows, 0);
-  } else {
-    a.pk.clear();
-    a.psums.assign(groups * blocks * kPanelRows, 0);
-  }
+  a.psums.assign(groups * blocks * (superblock_int(a.qtype) ? 16 : 1) * kPanelRows, 0);
 }
 
 // Panel groups [g_begin, g_end) of a (see Activations) from its row fields (M rows).
 inline void panel_groups(Activations& a, int64_t M, int64_t g_begin, int64_t g_end) {
 #if defined(NANOSERVE_AMX)
-  if (!a.pxh.empty()) {
+  if (!a.px.empty()) {
     for (int64_t r = g_begin * kPanelRows; r < std::min(M, g_end * kPanelRows); ++r) amx_panel_row(a, r);
     return;
   }
@@ -353,10 +314,7 @@ inline void panel_groups(Activations& a, int64_t M, int64_t g_begin, int64_t g_e
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = grp * blocks + b;
         a.punit[at * kPanelRows + lane] = a.unit[r * blocks + b];
-        for (int i = 0; i < 16; ++i) {
-          a.pk[(at * 16 + i) * kPanelRows + lane] = a.k16[r * (Kp / 16) + b * 16 + i];
-          a.psums[(at * 16 + i) * kPanelRows + lane] = a.sums16[r * (Kp / 16) + b * 16 + i];
-        }
+        for (int i = 0; i < 16; ++i) a.psums[(at * 16 + i) * kPanelRows + lane] = a.sums16[r * (Kp / 16) + b * 16 + i];
       }
     } else {
       const int64_t chunks = Kp / kChunk;
@@ -382,14 +340,13 @@ void quantize_activations(const T* x, int64_t M, int64_t K, int64_t Kp, int qtyp
 }
 
 // out = rows `rows[0 .. n)` of in, in that order, every field but the panel's (a row of each field is a fixed number
-// of elements: Kp for q and q256, Kp / 32 for the chunk fields, Kp / 256 and Kp / 16 for unit, k16 and
+// of elements: Kp for q and q256, Kp / 32 for the chunk fields, Kp / 256 and Kp / 16 for unit and
 // sums16; the super-block fields empty when in's are).
 inline void gather_activations(const Activations& in, const int64_t* rows, int64_t n, Activations& out) {
   out.qtype = in.qtype;
   out.Kp = in.Kp;
   out.pq.clear();  // the panel fields: not gathered (build_panel makes them from the rest)
   out.punit.clear();
-  out.pk.clear();
   out.psums.clear();
   const auto take = [&](const auto& from, auto& to, int64_t per_row) {
     to.resize(from.empty() ? 0 : n * per_row);
@@ -403,7 +360,6 @@ inline void gather_activations(const Activations& in, const int64_t* rows, int64
   take(in.chunk_sums, out.chunk_sums, Kp / kChunk);
   take(in.q256, out.q256, Kp);
   take(in.unit, out.unit, Kp / 256);
-  take(in.k16, out.k16, Kp / 16);
   take(in.sums16, out.sums16, Kp / 16);
 }
 
@@ -441,13 +397,12 @@ inline __m128i lane_sums4(__m256i a, __m256i b, __m256i c, __m256i d) {
 // them into the output (superblock_dot and quant_panel.h both end each super-block with them, so the
 // two give the same bits):
 //   acc = fma(float(term1), d * unit, acc);  acc = fma(float(term2), f2, acc)
-// With raw_i the sum of u * qx over the 16 values of group i and c16[i] = s16[i] * k16[i]: for the
-// formats with mins (q4_k, q5_k, q2_k), term1 = sum_i c16[i] * raw_i, term2 = sum_i m16[i] *
-// k16[i] * sums16[i] and f2 = -dmin * unit; for the formats with an offset (q6_k, q3_k), term1 and
-// term2 the sums of c16[i] * (raw_i - offset * sums16[i]) over the groups i with i / 2 even and odd
-// (kTerm2Group) and f2 = d * unit. Each term is exact in int32 (|term| < 2^31 at the extremes of
-// every format: with offset 32, |u - 32| <= 32 against |qx| <= 127, |s16| <= 128, k16 <= kSubScales,
-// eight groups a term).
+// With raw_i the sum of u * qx over the 16 values of group i: for the formats with mins (q4_k,
+// q5_k, q2_k), term1 = sum_i s16[i] * raw_i, term2 = sum_i m16[i] * sums16[i] and f2 = -dmin *
+// unit; for the formats with an offset (q6_k, q3_k), term1 and term2 the sums of s16[i] * (raw_i -
+// offset * sums16[i]) over the groups i with i / 2 even and odd (kTerm2Group) and f2 = d * unit.
+// Each term is exact in int32 (|term| < 2^27 at the extremes of every format: with offset 32,
+// |u - 32| <= 32 against |qx| <= 127, |s16| <= 128, eight groups a term).
 inline float superblock_step(float acc, __m128i terms, float d_unit, float f2) {
   const __m128 t = _mm_cvtepi32_ps(terms);
   acc = std::fma(_mm_cvtss_f32(t), d_unit, acc);
@@ -464,9 +419,9 @@ inline __m128 superblock_step2(__m128 acc, __m128i terms, __m128 d_unit, __m128 
 constexpr bool kTerm2Group(int i) { return (i / 2) % 2 == 1; }
 
 // dot_block for the superblock_int formats: x's rows as quantize_rows writes them (q256, step
-// unit * k_c); per super-block and (row of W, row of x) the two terms of superblock_step, summed in
+// unit); per super-block and (row of W, row of x) the two terms of superblock_step, summed in
 // int32 lanes (vpmaddubsw of W's u and qx, u <= 63 and |qx| <= 127: no saturation, then vpdpwssd,
-// vpmaddwd + add on plain AVX2, against c16 spread over the pairs; the offset as offset * c16 *
+// vpmaddwd + add on plain AVX2, against the scales c16 spread over the pairs; the offset as offset * c16 *
 // sums16 by vpmaddwd and a shift, the mins by vpmaddwd), the lanes of each term summed exactly
 // (512 bits: lanes 0-7 of every vector are term1's groups, 8-15 term2's; 256 bits: the even
 // vectors term1's, the odd ones term2's), then superblock_step (superblock_step2 for two rows of W
@@ -503,13 +458,12 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
     for (int m = 0; m < MX; ++m) {
       const int64_t row = m0 + m;
       const float unit = a.unit[row * (K / 256) + g];
-      const __m256i k16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.k16.data() + row * (K / 16) + k / 16));
       const __m256i sums =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sums16.data() + row * (K / 16) + k / 16));
       const __m256i minus_sums = _mm256_sub_epi16(_mm256_setzero_si256(), sums);
       __m256i sum1[NW], sum2[NW];  // the lanes of each output's two terms
       for (int j = 0; j < NW; ++j) {
-        const __m256i c16 = _mm256_mullo_epi16(sc[j].s16, k16);
+        const __m256i c16 = sc[j].s16;
         // The offset formats' -offset * c16 * sums16 starts the sums: its lane i holds groups 2i and
         // 2i + 1, term1's for i even, term2's for i odd.
         __m256i start = _mm256_setzero_si256();
@@ -537,7 +491,7 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
 #endif
         if constexpr (mins) {
           sum1[j] = _mm256_add_epi32(t1, t2);
-          sum2[j] = _mm256_madd_epi16(_mm256_mullo_epi16(sc[j].m16, k16), sums);
+          sum2[j] = _mm256_madd_epi16(sc[j].m16, sums);
         } else {
           sum1[j] = t1;
           sum2[j] = t2;
@@ -789,7 +743,7 @@ void column_range(const uint8_t* w, int64_t row_bytes, const Activations& a, con
                   int64_t out_stride, int64_t M, int64_t K, int64_t begin, int64_t end) {
 #if defined(NANOSERVE_AMX)
   if constexpr (superblock_int(Q))
-    if (!a.pxh.empty()) return amx_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
+    if (!a.px.empty()) return amx_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
 #endif
   if (!a.pq.empty()) return panel_range<Q>(w, row_bytes, a, bias, out, out_stride, M, K, begin, end);
   if (M == 1) {

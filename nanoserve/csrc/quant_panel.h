@@ -1,8 +1,8 @@
 // The quantized products with kPanelMinRows rows of x or more, every format (the superblock_int ones,
 // q4_k, q5_k, q6_k, q3_k, q2_k, and exact_chunks, the others): an outer-product micro-kernel in the
 // manner of a GEMM's, where superblock_dot and exact_chunk_dot take one (row of W, row of x) pair at
-// a time. (On a CPU with AMX-INT8, the superblock_int formats' products from amx_min_rows rows on
-// take quant_amx.h's tiles instead; the same bits.)
+// a time. (On a CPU with AMX-INT8, the superblock_int formats' products take quant_amx.h's tiles
+// instead; the same bits.)
 //
 // Private to the products' translation units (included by quant_dot.h only, after Activations and
 // superblock_step, which it uses; see quant.cpp for the files' roles). Everything is in the unnamed
@@ -10,14 +10,14 @@
 //
 // Layout. x's rows in groups of kPanelRows, one int32 lane of a vector each (16 rows with 512-bit
 // vectors, 8 with 256; Activations' panel fields, build_panel): vector i holding values 4i .. 4i + 3
-// of each row of the group (64 vectors a super-block, 8 a chunk), with each row's unit, k16 and
+// of each row of the group (64 vectors a super-block, 8 a chunk), with each row's unit and
 // sums16 (exact_chunks: each chunk's dx and sum of qx) as lanes likewise. W's rows unpacked once
 // (PanelW): each value as a byte, its groups' scales and mins as int32, d and dmin (exact_chunks: the
 // bytes, each chunk's d and min); band by band, just before use, when all of x fits one block (a
 // decode step's rows), else a task's rows at once. dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain
 // AVX2) of a broadcast four bytes of one row of W against a vector of x sums four products into each
 // row's lane: every instruction's products belong to kPanelRows outputs, so the sub-block scales
-// (times each row's k_c) are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not
+// are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not
 // per vector as in superblock_dot, and a chunk's fp32 step is one instruction for kPanelRows outputs.
 //
 // Invariant (batch invariance): each output's integer terms are exactly superblock_dot's (the same
@@ -130,7 +130,6 @@ void panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp,
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = grp * blocks + b;
     const int8_t* xq = a.pq.data() + at * 64 * kVecValues;
-    const int32_t* k32 = a.pk.data() + at * 16 * kPanelRows;
     const int32_t* sums32 = a.psums.data() + at * 16 * kPanelRows;
     IV term1[kBand], term2[kBand];
     for (int t = 0; t < kBand; ++t) term1[t] = term2[t] = izero();
@@ -148,12 +147,10 @@ void panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp,
           raw[t] = dot4(raw[t], iset1(u4), xv);
         }
       }
-      const IV k = load_i(k32 + i * kPanelRows);
       IV off = izero();
       if constexpr (offset != 0) off = slli32(load_i(sums32 + i * kPanelRows), shift);
       for (int t = 0; t < kBand; ++t) {
-        const IV c = mullo32(k, iset1(w.s[((t0 + t) * blocks + b) * 16 + i]));
-        const IV part = mullo32(offset != 0 ? sub32(raw[t], off) : raw[t], c);
+        const IV part = mullo32(offset != 0 ? sub32(raw[t], off) : raw[t], iset1(w.s[((t0 + t) * blocks + b) * 16 + i]));
         if (!mins && kTerm2Group(i))
           term2[t] = add32(term2[t], part);
         else
@@ -165,9 +162,8 @@ void panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp,
         const int i = s * sub / 16;
         IV sums = load_i(sums32 + i * kPanelRows);
         if constexpr (sub == 32) sums = add32(sums, load_i(sums32 + (i + 1) * kPanelRows));
-        const IV ks = mullo32(load_i(k32 + i * kPanelRows), sums);
         for (int t = 0; t < kBand; ++t)
-          term2[t] = add32(term2[t], mullo32(ks, iset1(w.m[((t0 + t) * blocks + b) * 16 + i])));
+          term2[t] = add32(term2[t], mullo32(sums, iset1(w.m[((t0 + t) * blocks + b) * 16 + i])));
       }
     const FV unit = load_f(a.punit.data() + at * kPanelRows);
     for (int t = 0; t < kBand; ++t) {
