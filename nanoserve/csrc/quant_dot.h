@@ -421,8 +421,8 @@ constexpr bool kTerm2Group(int i) { return (i / 2) % 2 == 1; }
 // dot_block for the superblock_int formats: x's rows as quantize_rows writes them (q256, step
 // unit); per super-block and (row of W, row of x) the two terms of superblock_step, summed in
 // int32 lanes (vpmaddubsw of W's u and qx, u <= 63 and |qx| <= 127: no saturation, then vpdpwssd,
-// vpmaddwd + add on plain AVX2, against the scales c16 spread over the pairs; the offset as offset * c16 *
-// sums16 by vpmaddwd and a shift, the mins by vpmaddwd), the lanes of each term summed exactly
+// vpmaddwd + add on plain AVX2, against the scales s16 spread over the pairs; the offset as offset *
+// s16 * sums16 by vpmaddwd and a shift, the mins by vpmaddwd), the lanes of each term summed exactly
 // (512 bits: lanes 0-7 of every vector are term1's groups, 8-15 term2's; 256 bits: the even
 // vectors term1's, the odd ones term2's), then superblock_step (superblock_step2 for two rows of W
 // side by side). The integer sums are exact, so their order is free; each output's fp32 steps are
@@ -463,11 +463,11 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
       const __m256i minus_sums = _mm256_sub_epi16(_mm256_setzero_si256(), sums);
       __m256i sum1[NW], sum2[NW];  // the lanes of each output's two terms
       for (int j = 0; j < NW; ++j) {
-        const __m256i c16 = sc[j].s16;
-        // The offset formats' -offset * c16 * sums16 starts the sums: its lane i holds groups 2i and
+        const __m256i s16 = sc[j].s16;
+        // The offset formats' -offset * s16 * sums16 starts the sums: its lane i holds groups 2i and
         // 2i + 1, term1's for i even, term2's for i odd.
         __m256i start = _mm256_setzero_si256();
-        if constexpr (!mins) start = _mm256_slli_epi32(_mm256_madd_epi16(c16, minus_sums), shift);
+        if constexpr (!mins) start = _mm256_slli_epi32(_mm256_madd_epi16(s16, minus_sums), shift);
 #if defined(NANOSERVE_QUANT_ZMM)
         IV isum = izero();
         if constexpr (!mins)  // even lanes to 0-3 (term1's half), odd ones to 8-11 (term2's)
@@ -476,7 +476,7 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
 #pragma GCC unroll 8
         for (int v = 0; v < vectors; ++v) {
           const IV xq = load_i(a.q256.data() + row * K + k + v * kVecValues);
-          isum = dot2(isum, maddubs(u[v][j], xq), spread_scales(c16, v));
+          isum = dot2(isum, maddubs(u[v][j], xq), spread_scales(s16, v));
         }
         const __m256i t1 = _mm512_castsi512_si256(isum), t2 = _mm512_extracti64x4_epi64(isum, 1);
 #else
@@ -485,7 +485,7 @@ void superblock_dot(const uint8_t* w, int64_t row_bytes, const Activations& a, i
 #pragma GCC unroll 8
         for (int v = 0; v < vectors; ++v) {
           const IV xq = load_i(a.q256.data() + row * K + k + v * kVecValues);
-          half[v % 2] = dot2(half[v % 2], maddubs(u[v][j], xq), spread_scales(c16, v));
+          half[v % 2] = dot2(half[v % 2], maddubs(u[v][j], xq), spread_scales(s16, v));
         }
         const __m256i t1 = half[0], t2 = half[1];
 #endif
