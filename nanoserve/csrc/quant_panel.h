@@ -17,8 +17,8 @@
 // decode step's rows), else a task's rows at once. dot4 (vpdpbusd; vpmaddubsw + vpmaddwd on plain
 // AVX2) of a broadcast four bytes of one row of W against a vector of x sums four products into each
 // row's lane: every instruction's products belong to kPanelRows outputs, so the sub-block scales
-// are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not
-// per vector as in superblock_dot, and a chunk's fp32 step is one instruction for kPanelRows outputs.
+// are multiplied in once per sub-block for kPanelRows outputs (vpmulld), not per vector as in
+// superblock_dot, and a chunk's fp32 step is one instruction for kPanelRows outputs.
 //
 // Invariant (batch invariance): each output's integer terms are exactly superblock_dot's (the same
 // sums of exact products) and its fp32 steps are superblock_step's, lane by lane, in super-block
@@ -150,7 +150,8 @@ void panel_block(const PanelW& w, int64_t t0, const Activations& a, int64_t grp,
       IV off = izero();
       if constexpr (offset != 0) off = slli32(load_i(sums32 + i * kPanelRows), shift);
       for (int t = 0; t < kBand; ++t) {
-        const IV part = mullo32(offset != 0 ? sub32(raw[t], off) : raw[t], iset1(w.s[((t0 + t) * blocks + b) * 16 + i]));
+        const IV scale = iset1(w.s[((t0 + t) * blocks + b) * 16 + i]);
+        const IV part = mullo32(offset != 0 ? sub32(raw[t], off) : raw[t], scale);
         if (!mins && kTerm2Group(i))
           term2[t] = add32(term2[t], part);
         else
